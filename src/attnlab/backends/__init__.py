@@ -1,0 +1,34 @@
+"""Attention backends behind one signature and one registry.
+
+Choose one by name (``scaled_dot_product_attention(..., backend="sdpa")``), for a
+block of code (``with attnlab.backends.use("reference"): ...``), or let ``auto``
+pick; :func:`explain` says why.
+"""
+
+from attnlab.backends import reference as _reference  # noqa: F401  (registers)
+from attnlab.backends import sdpa as _sdpa  # noqa: F401  (registers)
+from attnlab.backends.registry import (
+    AttentionCall,
+    Backend,
+    Explanation,
+    available,
+    current,
+    dispatch,
+    explain,
+    get,
+    register,
+    use,
+)
+
+__all__ = [
+    "AttentionCall",
+    "Backend",
+    "Explanation",
+    "available",
+    "current",
+    "dispatch",
+    "explain",
+    "get",
+    "register",
+    "use",
+]

@@ -1,0 +1,91 @@
+"""The ``sdpa`` backend: torch's own fused kernel, made safe for fully masked rows.
+
+torch returns NaN for a query row whose keys are all masked; attnlab promises
+zeros. This backend finds such rows from the mask (cheap: one reduction over the
+mask, which is usually ``(B, 1, 1, S)``), lets them attend everything inside the
+kernel, and zeroes their output, so values and gradients stay finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.functional.masks import causal_mask
+
+
+def _check(call: AttentionCall) -> str | None:
+    if call.return_weights:
+        return "torch's kernel does not return attention weights"
+    if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
+        return "empty query or key sequence"
+    return None
+
+
+def sdpa_torch(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Run :func:`torch.nn.functional.scaled_dot_product_attention` with attnlab's guarantees.
+
+    Shapes as in :func:`attnlab.functional.sdpa_reference`; ``return_weights`` must be False.
+    """
+    L, S = query.shape[-2], key.shape[-2]
+    if attn_mask is not None and is_causal:
+        causal = causal_mask(L, S, device=query.device)
+        attn_mask = (
+            attn_mask & causal
+            if attn_mask.dtype == torch.bool
+            else attn_mask.masked_fill(~causal, float("-inf"))
+        )
+        is_causal = False
+    row_ok: Tensor | None = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            row_ok = attn_mask.any(dim=-1, keepdim=True)  # [.., L, 1]
+            if not bool(row_ok.all()):
+                attn_mask = attn_mask | ~row_ok
+            else:
+                row_ok = None
+        else:
+            attn_mask = attn_mask.to(query.dtype)
+            row_ok = (~torch.isneginf(attn_mask)).any(dim=-1, keepdim=True)
+            if not bool(row_ok.all()):
+                attn_mask = attn_mask.masked_fill(~row_ok, 0.0)
+            else:
+                row_ok = None
+    gqa = enable_gqa and query.shape[-3] != key.shape[-3]
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    if row_ok is not None:
+        out = out.masked_fill(~row_ok, 0.0)
+    return out, None
+
+
+SDPA = register(
+    Backend(
+        name="sdpa",
+        fn=sdpa_torch,
+        check=_check,
+        priority=10,
+        description="torch's fused kernel (flash/memory-efficient/math, as torch picks)",
+    )
+)

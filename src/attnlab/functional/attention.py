@@ -1,0 +1,201 @@
+"""Scaled dot-product attention: the public entry point and the reference math.
+
+Shape notation: ``B`` batch dims, ``H`` query heads, ``H_kv`` key/value heads,
+``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head dim.
+
+The reference (:func:`sdpa_reference`) is written for clarity and exactness:
+it upcasts float16/bfloat16 to float32, builds the full ``L x S`` score matrix
+and is float64-capable. Every fast backend is tested against it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.functional._checks import check_attention_inputs, check_dense_mask
+from attnlab.functional.masks import MaskPattern
+
+__all__ = ["safe_softmax", "scaled_dot_product_attention", "sdpa_reference"]
+
+AttnMask = Tensor | MaskPattern | None
+
+
+def safe_softmax(scores: Tensor, dim: int = -1) -> Tensor:
+    """Softmax that returns zeros (not NaN) for a row whose entries are all ``-inf``.
+
+    Gradients are finite everywhere: a fully masked row gets zero gradient.
+    """
+    row_max = scores.amax(dim=dim, keepdim=True)
+    row_max = row_max.masked_fill(torch.isneginf(row_max), 0.0)
+    e = torch.exp(scores - row_max)
+    denom = e.sum(dim=dim, keepdim=True)
+    return e / denom.masked_fill(denom == 0, 1.0)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """Repeat key/value heads for grouped-query attention: ``[.., H_kv, S, E] -> [.., H_kv*n_rep, S, E]``."""
+    if n_rep == 1:
+        return x
+    return x.repeat_interleave(n_rep, dim=-3)
+
+
+def resolve_mask(
+    attn_mask: AttnMask, target: tuple[int, ...], *, device: torch.device
+) -> Tensor | None:
+    """Return ``attn_mask`` as a dense bool/float tensor that broadcasts to ``target``.
+
+    ``target`` is the scores' shape ``(..., H, L, S)``; a pattern is made dense
+    with torch's top-left alignment (query ``i`` at position ``i``).
+    """
+    if attn_mask is None:
+        return None
+    if isinstance(attn_mask, MaskPattern):
+        dense = attn_mask.to_dense(target[-2], target[-1], device=device)
+        if attn_mask.batch_dependent:
+            batch = target[:-3]
+            n = attn_mask.batch_size
+            if len(batch) != 1 or batch[0] != n:
+                raise ValueError(
+                    f"pattern {attn_mask!r} was built for batch size {n}, but the inputs have "
+                    f"batch dims {batch}"
+                )
+        return dense
+    return check_dense_mask(attn_mask, target)
+
+
+def sdpa_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_weights: bool = False,
+    q_offset: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """The reference attention math: ``softmax(Q K^T * scale + mask) V``.
+
+    Inputs are assumed valid (see :func:`scaled_dot_product_attention`). A query
+    row with every key masked gets zero weights and a zero output.
+
+    Args:
+        query: ``[B.., H, L, E]``.
+        key: ``[B.., H_kv, S, E]``.
+        value: ``[B.., H_kv, S, Ev]``.
+        attn_mask: dense bool (True = attend) or float (added) mask broadcasting to
+            ``[B.., H, L, S]``.
+        dropout_p: dropout on the attention weights (applied whenever > 0).
+        is_causal: causal mask, query ``i`` sees keys ``j <= i + q_offset``.
+        scale: score scale, default ``1/sqrt(E)``.
+        enable_gqa: repeat key/value heads to the query heads.
+        return_weights: also return the softmax weights (before dropout).
+        q_offset: position of the first query for ``is_causal`` (0 = torch's top-left).
+
+    Returns:
+        ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)`` in the input dtype.
+    """
+    out_dtype = query.dtype
+    compute = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    q, k, v = query.to(compute), key.to(compute), value.to(compute)
+    if enable_gqa and q.dim() >= 4 and q.shape[-3] != k.shape[-3]:
+        n_rep = q.shape[-3] // k.shape[-3]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [B.., H, S, E]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B.., H, L, S]
+    L, S = scores.shape[-2], scores.shape[-1]
+    allowed: Tensor | None = None
+    if is_causal:
+        qpos = torch.arange(L, device=q.device).view(-1, 1) + q_offset
+        allowed = torch.arange(S, device=q.device).view(1, -1) <= qpos  # [L, S]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = attn_mask if allowed is None else allowed & attn_mask
+        else:
+            scores = scores + attn_mask.to(compute)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = safe_softmax(scores, dim=-1)  # [B.., H, L, S]
+    probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p > 0 else weights
+    out = torch.matmul(probs, v)  # [B.., H, L, Ev]
+    return out.to(out_dtype), (weights.to(out_dtype) if return_weights else None)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: AttnMask = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str = "auto",
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention with torch's conventions and a safe fully-masked row.
+
+    Follows :func:`torch.nn.functional.scaled_dot_product_attention`: ``(B, H, L, E)``
+    layout (any number of leading batch dims), a bool mask is True where attention
+    is allowed, a float mask is added to the scores, ``is_causal`` is aligned
+    top-left, and ``enable_gqa`` shares each key/value head among
+    ``H // H_kv`` query heads (Ainslie et al., 2023, "GQA").
+
+    Differences from torch, on purpose:
+
+    * a query row whose keys are all masked returns zeros (and zero weights),
+      never NaN;
+    * ``attn_mask`` may also be a :class:`~attnlab.functional.masks.MaskPattern`;
+    * ``attn_mask`` and ``is_causal`` may be given together (their intersection);
+    * float16/bfloat16 inputs compute the softmax in float32.
+
+    Args:
+        query: ``[B.., H, L, E]``.
+        key: ``[B.., H_kv, S, E]``.
+        value: ``[B.., H_kv, S, Ev]``.
+        attn_mask: bool/float tensor broadcasting to ``[B.., H, L, S]``, or a pattern.
+        dropout_p: dropout probability on the weights, applied whenever > 0 (as torch).
+        is_causal: apply a causal mask (query ``i`` sees keys ``j <= i``).
+        scale: score scale; default ``1/sqrt(E)`` (Vaswani et al., 2017).
+        enable_gqa: allow ``H_kv < H`` with ``H % H_kv == 0``.
+        backend: ``"auto"`` or a registered backend name (see :mod:`attnlab.backends`).
+        return_weights: also return the attention weights ``[B.., H, L, S]``.
+
+    Returns:
+        The output ``[B.., H, L, Ev]``, or ``(output, weights)`` with ``return_weights``.
+
+    Raises:
+        TypeError: non-tensors, non-floating or mixed dtypes, an integer mask.
+        ValueError: shapes that do not fit, a bad head ratio, a bad ``dropout_p``
+            or ``scale``, an unknown backend.
+    """
+    check_attention_inputs(
+        query, key, value, enable_gqa=enable_gqa, dropout_p=dropout_p, scale=scale
+    )
+    # The registry sits one layer up (attnlab.backends); this call is the hook
+    # through which the public functional entry point reaches it.
+    from attnlab.backends import dispatch
+
+    out, weights = dispatch(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        backend=backend,
+        return_weights=return_weights,
+    )
+    if return_weights:
+        assert weights is not None
+        return out, weights
+    return out

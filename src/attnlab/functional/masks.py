@@ -1,0 +1,518 @@
+"""Attention masks: dense helpers and structured patterns.
+
+Conventions (the same as ``torch.nn.functional.scaled_dot_product_attention``):
+a boolean mask is ``True`` where a query may attend to a key; a floating mask is
+added to the scores. Dense masks broadcast to the scores' shape ``(B, H, L, S)``
+(``L`` query length, ``S`` key length).
+
+Two kinds of objects live here:
+
+* dense helpers that return tensors: :func:`causal_mask`, :func:`padding_mask`,
+  :func:`lengths_mask`, :func:`combine`;
+* structured patterns (:class:`MaskPattern`): :func:`causal`, :func:`sliding_window`,
+  :func:`global_tokens`, :func:`dilated`, :func:`document`, :func:`prefix_lm`,
+  :func:`padding`. A pattern is a predicate on absolute positions, in the spirit of
+  FlexAttention's ``mask_mod``; patterns combine with ``&``, ``|`` and ``~``, are
+  accepted as ``attn_mask=`` by every attention entry point, and can be made
+  dense with :meth:`MaskPattern.to_dense` for tests and pictures. Backends that
+  understand a pattern skip the blocks it masks out instead of building ``L x S``.
+
+Query positions: a pattern compares query position ``q_offset + i`` with key
+position ``j``. ``q_offset=0`` is torch's top-left alignment; cached decoding,
+where the ``L`` new queries are the last ``L`` of ``S`` keys, uses
+``q_offset = S - L`` (bottom-right alignment, as FlashAttention >= 2.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from attnlab.functional._checks import check_tensor
+
+__all__ = [
+    "MaskPattern",
+    "causal",
+    "causal_mask",
+    "combine",
+    "dilated",
+    "document",
+    "full",
+    "global_tokens",
+    "lengths_mask",
+    "padding",
+    "padding_mask",
+    "prefix_lm",
+    "sliding_window",
+]
+
+# A mask_mod takes broadcastable index tensors (batch, head, query pos, key pos)
+# and returns a bool tensor: True = attend.
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _check_len(name: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
+
+
+# --------------------------------------------------------------------------- dense
+
+
+def causal_mask(
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    offset: int = 0,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Dense causal mask of shape ``(q_len, kv_len)``: query ``i`` sees keys ``j <= i + offset``.
+
+    Args:
+        q_len: number of queries ``L``.
+        kv_len: number of keys ``S`` (default ``q_len``).
+        offset: position of the first query among the keys. ``0`` is torch's
+            ``is_causal`` (top-left); ``kv_len - q_len`` is the alignment of
+            cached decoding (bottom-right).
+        device: where to build the mask.
+
+    Returns:
+        Bool tensor ``(L, S)``, True = attend.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    _check_len("q_len", q_len)
+    _check_len("kv_len", kv_len)
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    q = torch.arange(q_len, device=device).unsqueeze(-1) + offset  # [L, 1]
+    k = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, S]
+    return k <= q
+
+
+def padding_mask(attention_mask: Tensor) -> Tensor:
+    """Key-padding mask from a Hugging Face-style ``attention_mask``.
+
+    Args:
+        attention_mask: ``(B, S)`` of 1 (token) and 0 (padding), any integer,
+            bool or float dtype.
+
+    Returns:
+        Bool tensor ``(B, 1, 1, S)``, True at real tokens; broadcasts over heads
+        and queries.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not 2-D, or values other than 0 and 1.
+    """
+    check_tensor("attention_mask", attention_mask)
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be (batch, seq_len) of 1/0, got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype != torch.bool:
+        bad = (attention_mask != 0) & (attention_mask != 1)
+        if bool(bad.any()):
+            values = torch.unique(attention_mask[bad])[:5].tolist()
+            raise ValueError(
+                f"attention_mask must hold only 1 (token) and 0 (padding), found {values}; "
+                "an additive float mask goes to attn_mask instead"
+            )
+    return attention_mask.bool()[:, None, None, :]
+
+
+def lengths_mask(lengths: Tensor | Sequence[int], max_len: int | None = None) -> Tensor:
+    """Key-padding mask from sequence lengths (right padding).
+
+    Args:
+        lengths: ``(B,)`` number of real tokens per sequence.
+        max_len: padded length ``S`` (default: the largest length).
+
+    Returns:
+        Bool tensor ``(B, 1, 1, S)``, True at the first ``lengths[b]`` positions.
+    """
+    lens = torch.as_tensor(lengths)
+    if lens.dim() != 1 or lens.dtype.is_floating_point or lens.dtype == torch.bool:
+        raise ValueError(
+            f"lengths must be a 1-D integer sequence, got {lens.dtype} {tuple(lens.shape)}"
+        )
+    if lens.numel() and int(lens.min()) < 0:
+        raise ValueError(f"lengths must be >= 0, got {lens.tolist()}")
+    longest = int(lens.max()) if lens.numel() else 0
+    max_len = longest if max_len is None else _check_len("max_len", max_len)
+    if longest > max_len:
+        raise ValueError(f"a length ({longest}) exceeds max_len ({max_len})")
+    pos = torch.arange(max_len, device=lens.device)
+    return (pos[None, :] < lens[:, None])[:, None, None, :]
+
+
+def combine(*masks: Tensor | None) -> Tensor | None:
+    """Combine dense masks, broadcasting their shapes.
+
+    Bool masks are intersected (a pair is attended only if every mask allows it).
+    If any mask is floating, the result is additive: bool masks become ``0``/``-inf``
+    and all are summed. ``None`` entries are skipped; all ``None`` gives ``None``.
+    """
+    present = [check_tensor("mask", m) for m in masks if m is not None]
+    if not present:
+        return None
+    float_masks = [m for m in present if m.dtype.is_floating_point]
+    if not float_masks:
+        out = present[0]
+        for m in present[1:]:
+            out = out & m
+        return out
+    dtype = torch.promote_types(float_masks[0].dtype, torch.float32)
+    for m in float_masks[1:]:
+        dtype = torch.promote_types(dtype, m.dtype)
+    total: Tensor | None = None
+    for m in present:
+        add = m.to(dtype) if m.dtype.is_floating_point else _bool_to_additive(m, dtype)
+        total = add if total is None else total + add
+    return total
+
+
+def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
+    )
+
+
+# ------------------------------------------------------------------------ patterns
+
+
+class MaskPattern:
+    """A structured attention pattern: which (query position, key position) pairs attend.
+
+    Subclasses implement :meth:`mask_mod`. Patterns are immutable values that
+    combine with ``&``, ``|`` and ``~``.
+    """
+
+    #: True when the pattern differs between sequences of a batch (padding, documents).
+    batch_dependent: bool = False
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Return a bool tensor (broadcast of the inputs), True where ``q_idx`` attends ``kv_idx``."""
+        raise NotImplementedError
+
+    @property
+    def batch_size(self) -> int | None:
+        """Batch size a batch-dependent pattern was built for (None otherwise)."""
+        return None
+
+    def to_dense(
+        self,
+        q_len: int,
+        kv_len: int | None = None,
+        *,
+        q_offset: int = 0,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Materialise the pattern.
+
+        Args:
+            q_len: number of queries ``L``.
+            kv_len: number of keys ``S`` (default ``q_len``).
+            q_offset: absolute position of the first query (see the module docstring).
+            device: where to build the mask.
+
+        Returns:
+            Bool tensor ``(L, S)``, or ``(B, 1, L, S)`` for a batch-dependent pattern.
+        """
+        kv_len = q_len if kv_len is None else kv_len
+        _check_len("q_len", q_len)
+        _check_len("kv_len", kv_len)
+        dev = device if device is not None else self._device()
+        q = torch.arange(q_len, device=dev).view(-1, 1) + q_offset  # [L, 1]
+        k = torch.arange(kv_len, device=dev).view(1, -1)  # [1, S]
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        if self.batch_dependent:
+            n = self.batch_size or 1
+            b = torch.arange(n, device=dev).view(-1, 1, 1, 1)  # [B, 1, 1, 1]
+            out = self.mask_mod(b, zero, q, k)
+            return out.expand(n, 1, q_len, kv_len)
+        return self.mask_mod(zero, zero, q, k).expand(q_len, kv_len)
+
+    def density(self, q_len: int, kv_len: int | None = None, *, q_offset: int = 0) -> float:
+        """Fraction of (query, key) pairs attended, counted exactly in row chunks."""
+        kv_len = q_len if kv_len is None else kv_len
+        if q_len == 0 or kv_len == 0:
+            return 0.0
+        chunk = max(1, (1 << 22) // max(kv_len, 1))
+        total = 0
+        for start in range(0, q_len, chunk):
+            rows = min(chunk, q_len - start)
+            total += int(self.to_dense(rows, kv_len, q_offset=q_offset + start).sum())
+        n = (self.batch_size or 1) if self.batch_dependent else 1
+        return total / (n * q_len * kv_len)
+
+    def _device(self) -> torch.device | None:
+        return None
+
+    def __and__(self, other: MaskPattern) -> MaskPattern:
+        return _Combined("&", (self, _as_pattern(other)))
+
+    def __or__(self, other: MaskPattern) -> MaskPattern:
+        return _Combined("|", (self, _as_pattern(other)))
+
+    def __invert__(self) -> MaskPattern:
+        return _Not(self)
+
+
+def _as_pattern(x: object) -> MaskPattern:
+    if not isinstance(x, MaskPattern):
+        raise TypeError(
+            f"patterns combine only with other patterns, got {type(x).__name__}; "
+            "use masks.combine() for dense tensors"
+        )
+    return x
+
+
+class _Combined(MaskPattern):
+    def __init__(self, op: str, parts: tuple[MaskPattern, ...]) -> None:
+        sizes = {p.batch_size or 0 for p in parts if p.batch_dependent}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"cannot combine patterns built for different batch sizes {sorted(sizes)}"
+            )
+        self.op = op
+        self.parts = parts
+        self.batch_dependent = any(p.batch_dependent for p in parts)
+        self._batch = next(iter(sizes)) if sizes else None
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._batch
+
+    def _device(self) -> torch.device | None:
+        for p in self.parts:
+            d = p._device()
+            if d is not None:
+                return d
+        return None
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = self.parts[0].mask_mod(b, h, q_idx, kv_idx)
+        for p in self.parts[1:]:
+            m = p.mask_mod(b, h, q_idx, kv_idx)
+            out = (out & m) if self.op == "&" else (out | m)
+        return out
+
+    def __repr__(self) -> str:
+        return "(" + f" {self.op} ".join(map(repr, self.parts)) + ")"
+
+
+class _Not(MaskPattern):
+    def __init__(self, inner: MaskPattern) -> None:
+        self.inner = inner
+        self.batch_dependent = inner.batch_dependent
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.inner.batch_size
+
+    def _device(self) -> torch.device | None:
+        return self.inner._device()
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ~self.inner.mask_mod(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"~{self.inner!r}"
+
+
+class Full(MaskPattern):
+    """Every query attends every key."""
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.ones_like(q_idx == kv_idx)
+
+    def __repr__(self) -> str:
+        return "full()"
+
+
+class Causal(MaskPattern):
+    """Key position <= query position."""
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx <= q_idx
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+class SlidingWindow(MaskPattern):
+    """``q - left <= k <= q + right``: ``left`` keys before the query, ``right`` after."""
+
+    def __init__(self, left: int, right: int = 0) -> None:
+        self.left = _check_len("left", left)
+        self.right = _check_len("right", right)
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        d = q_idx - kv_idx
+        return (d <= self.left) & (d >= -self.right)
+
+    def __repr__(self) -> str:
+        return f"sliding_window(left={self.left}, right={self.right})"
+
+
+class GlobalTokens(MaskPattern):
+    """Global positions attend everywhere and are attended from everywhere (Longformer)."""
+
+    def __init__(self, indices: Sequence[int] | Tensor) -> None:
+        idx = torch.as_tensor(indices, dtype=torch.long).flatten()
+        if idx.numel() and int(idx.min()) < 0:
+            raise ValueError(f"global token indices must be >= 0, got {idx.tolist()}")
+        self.indices = torch.unique(idx)
+
+    def _is_global(self, pos: Tensor) -> Tensor:
+        idx = self.indices.to(pos.device)
+        return torch.isin(pos, idx)
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self._is_global(q_idx) | self._is_global(kv_idx)
+
+    def __repr__(self) -> str:
+        return f"global_tokens({self.indices.tolist()})"
+
+
+class Dilated(MaskPattern):
+    """Keys at distances ``0, ±dilation, ..., ±window*dilation`` (two-sided unless ``causal``)."""
+
+    def __init__(self, window: int, dilation: int, causal: bool = False) -> None:
+        self.window = _check_len("window", window)
+        self.dilation = _check_len("dilation", dilation)
+        if dilation < 1:
+            raise ValueError(f"dilation must be >= 1, got {dilation}")
+        self.causal = causal
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        d = q_idx - kv_idx
+        ok = (d.abs() <= self.window * self.dilation) & (d.remainder(self.dilation) == 0)
+        return ok & (d >= 0) if self.causal else ok
+
+    def __repr__(self) -> str:
+        return f"dilated(window={self.window}, dilation={self.dilation}, causal={self.causal})"
+
+
+class Document(MaskPattern):
+    """Attend only within the same document of a packed sequence."""
+
+    def __init__(self, doc_ids: Tensor | Sequence[int]) -> None:
+        ids = torch.as_tensor(doc_ids)
+        if ids.dim() not in (1, 2) or ids.dtype.is_floating_point:
+            raise ValueError(
+                f"doc_ids must be an integer tensor (S,) or (B, S), got {ids.dtype} {tuple(ids.shape)}"
+            )
+        self.doc_ids = ids.long()
+        self.batch_dependent = ids.dim() == 2
+
+    @property
+    def batch_size(self) -> int | None:
+        return int(self.doc_ids.shape[0]) if self.batch_dependent else None
+
+    def _device(self) -> torch.device | None:
+        return self.doc_ids.device
+
+    def _lookup(self, b: Tensor, pos: Tensor) -> Tensor:
+        n = self.doc_ids.shape[-1]
+        ids = self.doc_ids.to(pos.device)
+        inside = (pos >= 0) & (pos < n)
+        safe = pos.clamp(0, max(n - 1, 0))
+        got = ids[b, safe] if self.batch_dependent else ids[safe]
+        return torch.where(inside, got, torch.full_like(got, -1))
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        dq, dk = self._lookup(b, q_idx), self._lookup(b, kv_idx)
+        return (dq == dk) & (dq >= 0)
+
+    def __repr__(self) -> str:
+        return f"document(shape={tuple(self.doc_ids.shape)})"
+
+
+class PrefixLM(MaskPattern):
+    """Bidirectional over the first ``prefix_len`` keys, causal after them."""
+
+    def __init__(self, prefix_len: int) -> None:
+        self.prefix_len = _check_len("prefix_len", prefix_len)
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx < self.prefix_len) | (kv_idx <= q_idx)
+
+    def __repr__(self) -> str:
+        return f"prefix_lm({self.prefix_len})"
+
+
+class Padding(MaskPattern):
+    """Key padding from an HF-style ``attention_mask`` ``(B, S)`` of 1/0."""
+
+    batch_dependent = True
+
+    def __init__(self, attention_mask: Tensor) -> None:
+        self.keep = padding_mask(attention_mask)[:, 0, 0, :]  # [B, S]
+
+    @property
+    def batch_size(self) -> int | None:
+        return int(self.keep.shape[0])
+
+    def _device(self) -> torch.device | None:
+        return self.keep.device
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        n = self.keep.shape[-1]
+        inside = (kv_idx >= 0) & (kv_idx < n)
+        got = self.keep.to(kv_idx.device)[b, kv_idx.clamp(0, max(n - 1, 0))]
+        return got & inside & (q_idx == q_idx)
+
+    def __repr__(self) -> str:
+        return f"padding(shape={tuple(self.keep.shape)})"
+
+
+def full() -> MaskPattern:
+    """Every query attends every key."""
+    return Full()
+
+
+def causal() -> MaskPattern:
+    """Causal pattern: a query at position ``i`` attends keys ``j <= i``."""
+    return Causal()
+
+
+def sliding_window(left: int, right: int = 0) -> MaskPattern:
+    """Local window: query ``i`` attends keys ``i - left ... i + right``.
+
+    ``sliding_window(w - 1)`` is the causal window of ``w`` keys used by Mistral
+    (``sliding_window=w`` in its config); ``sliding_window(w, w)`` is the
+    two-sided window of Longformer.
+    """
+    return SlidingWindow(left, right)
+
+
+def global_tokens(indices: Sequence[int] | Tensor) -> MaskPattern:
+    """Global tokens (Longformer): these positions attend and are attended everywhere."""
+    return GlobalTokens(indices)
+
+
+def dilated(window: int, dilation: int, *, causal: bool = False) -> MaskPattern:
+    """Dilated window: keys at distances multiple of ``dilation`` up to ``window*dilation``."""
+    return Dilated(window, dilation, causal)
+
+
+def document(doc_ids: Tensor | Sequence[int]) -> MaskPattern:
+    """Same-document mask for packed sequences; ``& causal()`` makes it block-causal."""
+    return Document(doc_ids)
+
+
+def prefix_lm(prefix_len: int) -> MaskPattern:
+    """Prefix-LM: the prefix attends bidirectionally, the rest causally."""
+    return PrefixLM(prefix_len)
+
+
+def padding(attention_mask: Tensor) -> MaskPattern:
+    """Key-padding pattern from an HF-style ``(B, S)`` 1/0 ``attention_mask``."""
+    return Padding(attention_mask)

@@ -1,0 +1,1 @@
+"""Interoperability: Hugging Face conversion and checkpoints."""

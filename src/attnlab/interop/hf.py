@@ -1,0 +1,203 @@
+"""Conversion between attnlab models and Hugging Face ``transformers`` models.
+
+Each supported architecture is a :class:`Converter` registered under its
+``model_type`` (as in a transformers ``config.json``). ``from_hf`` accepts a
+transformers model object or a local folder (config.json + safetensors); the
+folder path needs only ``safetensors``, not ``transformers``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.interop.checkpoints import load_safetensors_dir, read_config
+
+__all__ = ["Converter", "from_hf", "register_converter", "supported_architectures", "to_hf"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Converter:
+    """How one architecture maps between transformers and attnlab.
+
+    Attributes:
+        model_type: transformers' ``config.model_type``.
+        hf_classes: transformers class names accepted as objects, each mapped to the
+            prefix its state-dict keys carry ("" for the bare model).
+        attnlab_class: the attnlab model class (for ``to_hf``).
+        config_from_hf: ``(hf_config_dict, weight_names) -> attnlab config``.
+        build: ``config -> attnlab model``.
+        key_map: ``attnlab model -> {attnlab key: transformers key}``.
+        to_hf_model: ``attnlab model -> transformers model`` (weights not yet loaded).
+    """
+
+    model_type: str
+    hf_classes: dict[str, str]
+    attnlab_class: type[nn.Module]
+    config_from_hf: Callable[[dict[str, Any], set[str]], Any]
+    build: Callable[[Any], nn.Module]
+    key_map: Callable[[nn.Module], dict[str, str]]
+    to_hf_model: Callable[[nn.Module], nn.Module]
+
+
+_CONVERTERS: dict[str, Converter] = {}
+
+
+def register_converter(conv: Converter) -> Converter:
+    _CONVERTERS[conv.model_type] = conv
+    return conv
+
+
+def _ensure_registered() -> None:
+    from attnlab.interop import bert  # noqa: F401  (registers)
+
+
+def supported_architectures() -> list[str]:
+    """``model_type`` names ``from_hf`` understands."""
+    _ensure_registered()
+    return sorted(_CONVERTERS)
+
+
+def _converter(model_type: str, what: str) -> Converter:
+    _ensure_registered()
+    if model_type not in _CONVERTERS:
+        raise ValueError(
+            f"unsupported architecture {what!r} (model_type {model_type!r}); attnlab converts "
+            f"{supported_architectures()}"
+        )
+    return _CONVERTERS[model_type]
+
+
+def from_hf(model_or_local_dir: Any) -> nn.Module:
+    """Return the attnlab model with the same weights as a transformers model.
+
+    Args:
+        model_or_local_dir: a ``transformers.PreTrainedModel`` (e.g. ``BertModel``),
+            or the path of a local folder with ``config.json`` and safetensors weights.
+
+    Returns:
+        The attnlab model, in eval mode, in the weights' dtype.
+
+    Raises:
+        ValueError: an unsupported architecture (named), a folder without config or
+            safetensors weights, or weights that do not fit the config.
+        TypeError: anything else.
+    """
+    if isinstance(model_or_local_dir, str | Path):
+        folder = Path(model_or_local_dir)
+        if not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder; pass a local model folder or a model")
+        cfg = read_config(folder)
+        arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+        conv = _converter(str(cfg.get("model_type")), arch)
+        weights = load_safetensors_dir(folder)
+        prefix = conv.hf_classes.get(arch, "")
+        return _assemble(conv, cfg, weights, prefix, source=str(folder), strict_extra=False)
+    if isinstance(model_or_local_dir, nn.Module) and hasattr(model_or_local_dir, "config"):
+        hf: Any = model_or_local_dir
+        cls = type(hf).__name__
+        conv = _converter(str(getattr(hf.config, "model_type", "?")), cls)
+        if cls not in conv.hf_classes:
+            raise ValueError(
+                f"unsupported architecture {cls!r}: for model_type {conv.model_type!r} attnlab "
+                f"converts {sorted(conv.hf_classes)}"
+            )
+        weights = dict(hf.state_dict())
+        return _assemble(
+            conv, hf.config.to_dict(), weights, conv.hf_classes[cls], source=cls, strict_extra=True
+        )
+    raise TypeError(
+        "from_hf expects a transformers model or a local folder path, got "
+        f"{type(model_or_local_dir).__name__}"
+    )
+
+
+def _assemble(
+    conv: Converter,
+    cfg: dict[str, Any],
+    weights: dict[str, Tensor],
+    prefix: str,
+    *,
+    source: str,
+    strict_extra: bool,
+) -> nn.Module:
+    if prefix:
+        weights = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in weights.items()}
+    config = conv.config_from_hf(cfg, set(weights))
+    model = conv.build(config)
+    mapping = conv.key_map(model)
+    own = model.state_dict()
+    state: dict[str, Tensor] = {}
+    missing = []
+    for ours, theirs in mapping.items():
+        if theirs in weights:
+            t = weights[theirs]
+            if t.shape != own[ours].shape:
+                raise ValueError(
+                    f"{source}: weight {theirs} has shape {tuple(t.shape)}, the config implies "
+                    f"{tuple(own[ours].shape)} for {ours}"
+                )
+            state[ours] = t
+        else:
+            missing.append(theirs)
+    if missing:
+        raise ValueError(f"{source}: weights missing for {missing}")
+    used = set(mapping.values())
+    extra = sorted(k for k in weights if k not in used and not _is_buffer_key(k))
+    if extra:
+        if strict_extra:
+            raise ValueError(f"{source}: weights attnlab does not know how to place: {extra}")
+        log.warning("%s: ignoring weights outside the converted model: %s", source, extra)
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    model.to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _is_buffer_key(key: str) -> bool:
+    # transformers keeps index buffers (position_ids, token_type_ids) in some checkpoints.
+    return key.endswith(("position_ids", "token_type_ids"))
+
+
+def to_hf(model: nn.Module) -> nn.Module:
+    """Return the transformers model with the same weights as an attnlab model.
+
+    Raises:
+        ValueError: a model class or configuration transformers has no equivalent for.
+        ImportError: transformers is not installed (the ``hf`` extra).
+    """
+    _ensure_registered()
+    conv = next((c for c in _CONVERTERS.values() if isinstance(model, c.attnlab_class)), None)
+    if conv is None:
+        raise ValueError(
+            f"to_hf cannot convert {type(model).__name__}; supported: "
+            f"{sorted(c.attnlab_class.__name__ for c in _CONVERTERS.values())}"
+        )
+    hf = conv.to_hf_model(model)
+    own = model.state_dict()
+    state = {theirs: own[ours] for ours, theirs in conv.key_map(model).items()}
+    result = hf.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not _is_buffer_key(k)]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"to_hf: transformers model left missing {missing}, unexpected {result.unexpected_keys}"
+        )
+    dtype = next((t.dtype for t in own.values() if t.is_floating_point()), torch.float32)
+    return hf.to(dtype).eval()
+
+
+def require_transformers() -> Any:
+    """Import transformers or say which extra installs it."""
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("this needs transformers: pip install 'attnlab[hf]'") from e
+    return transformers

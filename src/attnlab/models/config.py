@@ -1,0 +1,126 @@
+"""Model configs: dataclasses validated on construction.
+
+Field names follow Hugging Face's ``BertConfig`` so that a transformers user
+reads them without a glossary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from attnlab.modules.activations import activation_names
+
+__all__ = ["EncoderConfig"]
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _probability(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+@dataclass
+class EncoderConfig:
+    """A BERT-style encoder.
+
+    Attributes:
+        vocab_size: number of token ids.
+        hidden_size: model width ``D``.
+        num_hidden_layers: number of encoder layers.
+        num_attention_heads: query heads per layer.
+        num_key_value_heads: key/value heads (GQA/MQA); default ``num_attention_heads``.
+        intermediate_size: feed-forward inner width.
+        hidden_act: feed-forward activation name.
+        hidden_dropout_prob: dropout on embeddings and sublayer outputs.
+        attention_probs_dropout_prob: dropout on attention weights.
+        max_position_embeddings: learned positions (sequence length limit).
+        type_vocab_size: token types (segments); 0 for none.
+        layer_norm_eps: LayerNorm epsilon.
+        pad_token_id: padding token id.
+        norm_position: ``"post"`` (BERT) or ``"pre"`` (pre-LN, with a final norm).
+        add_pooler: add BERT's pooler (dense + tanh over the first token).
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    norm_position: str = "post"
+    add_pooler: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            _positive(name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _positive("num_key_value_heads", self.num_key_value_heads)
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.hidden_act not in activation_names():
+            raise ValueError(f"hidden_act {self.hidden_act!r} unknown; known: {activation_names()}")
+        _probability("hidden_dropout_prob", self.hidden_dropout_prob)
+        _probability("attention_probs_dropout_prob", self.attention_probs_dropout_prob)
+        if (
+            isinstance(self.type_vocab_size, bool)
+            or not isinstance(self.type_vocab_size, int)
+            or (self.type_vocab_size < 0)
+        ):
+            raise ValueError(f"type_vocab_size must be an int >= 0, got {self.type_vocab_size!r}")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})"
+            )
+        if self.norm_position not in ("pre", "post"):
+            raise ValueError(f"norm_position must be 'pre' or 'post', got {self.norm_position!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
+        """Build from a dict, rejecting unknown keys by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown EncoderConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -1,0 +1,275 @@
+"""Multi-head attention: MHA, GQA and MQA from one module, self- and cross-attention.
+
+Shape notation: ``B`` batch, ``L`` query length, ``S`` key length, ``D`` model
+width, ``H`` query heads, ``H_kv`` key/value heads, ``h_d`` head dim.
+
+The module owns the projections; the attention itself is
+:func:`attnlab.functional.scaled_dot_product_attention`, run on the backend the
+module was given (``"auto"`` by default). Variants are chosen by arguments, not
+flags: ``num_kv_heads == num_heads`` is multi-head attention (Vaswani et al., 2017),
+``1 < num_kv_heads < num_heads`` grouped-query attention (Ainslie et al., 2023),
+``num_kv_heads == 1`` multi-query attention (Shazeer, 2019).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.functional._checks import check_tensor
+from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
+from attnlab.functional.masks import combine, padding_mask
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with ``num_kv_heads`` key/value heads.
+
+    Args:
+        embed_dim: model width ``D`` of the queries (and of the output).
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``H_kv``; must divide ``num_heads``.
+            Default ``num_heads`` (plain MHA).
+        head_dim: per-head width; default ``embed_dim // num_heads`` (which must divide).
+        kv_embed_dim: width of the key/value input for cross-attention; default ``embed_dim``.
+        bias: bias on the q/k/v projections.
+        out_bias: bias on the output projection; default ``bias``.
+        dropout: dropout on the attention weights (training only).
+        backend: attention backend name, or ``"auto"``.
+
+    Parameters are ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` (separate
+    ``nn.Linear``s, the Hugging Face BERT/Llama layout). :meth:`load_layout`
+    also reads the tutorial's per-head layout and torch's packed ``in_proj``.
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        kv_embed_dim: int | None = None,
+        bias: bool = True,
+        out_bias: bool | None = None,
+        dropout: float = 0.0,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+            )
+        if head_dim is None:
+            if embed_dim % num_heads != 0:
+                raise ValueError(
+                    f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
+                    "or pass head_dim explicitly"
+                )
+            head_dim = embed_dim // num_heads
+        elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        kv_embed_dim = embed_dim if kv_embed_dim is None else kv_embed_dim
+        self.embed_dim = embed_dim
+        self.kv_embed_dim = kv_embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dropout = dropout
+        self.backend = backend
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.out_proj = nn.Linear(
+            num_heads * head_dim, embed_dim, bias=bias if out_bias is None else out_bias
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, backend={self.backend!r}"
+        )
+
+    def _split(self, x: Tensor, heads: int) -> Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)  # [b, n_h, s, h_d]
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        attention_mask: Tensor | None = None,
+        attn_mask: AttnMask = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query: ``[B, L, D]``.
+            key: ``[B, S, D_kv]``; default ``query`` (self-attention).
+            value: ``[B, S, D_kv]``; default ``key``.
+            attention_mask: key padding ``[B, S]`` of 1 (token) / 0 (padding), the
+                Hugging Face convention.
+            attn_mask: bool (True = attend) or float (added) mask broadcasting to
+                ``[B, H, L, S]``, or a mask pattern.
+            is_causal: causal self-attention (query ``i`` sees keys ``j <= i``).
+            need_weights: also return the attention weights ``[B, H, L, S]``.
+
+        Returns:
+            ``(output [B, L, D], weights or None)``.
+        """
+        check_tensor("query", query)
+        key = query if key is None else check_tensor("key", key)
+        value = key if value is None else check_tensor("value", value)
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(
+                "query, key and value must be (batch, seq_len, embed_dim), got shapes "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query has width {query.shape[-1]}, expected embed_dim={self.embed_dim}"
+            )
+        if key.shape[-1] != self.kv_embed_dim or value.shape[-1] != self.kv_embed_dim:
+            raise ValueError(
+                f"key/value have widths {key.shape[-1]}/{value.shape[-1]}, expected "
+                f"kv_embed_dim={self.kv_embed_dim}"
+            )
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError(
+                f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key length {key.shape[1]} != value length {value.shape[1]}")
+        b, s = key.shape[0], key.shape[1]
+        mask: AttnMask = attn_mask
+        if attention_mask is not None:
+            check_tensor("attention_mask", attention_mask)
+            if tuple(attention_mask.shape) != (b, s):
+                raise ValueError(
+                    f"attention_mask must be (batch, key_len) = {(b, s)}, got "
+                    f"{tuple(attention_mask.shape)}"
+                )
+            pad = padding_mask(attention_mask)  # [b, 1, 1, s]
+            if isinstance(attn_mask, Tensor) or attn_mask is None:
+                mask = combine(attn_mask, pad)
+            else:
+                mask = attn_mask.to_dense(query.shape[1], s, device=query.device)
+                mask = combine(mask, pad)
+
+        q = self._split(self.q_proj(query), self.num_heads)  # [b, H, L, h_d]
+        k = self._split(self.k_proj(key), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            backend=self.backend,
+            return_weights=need_weights,
+        )
+        out, weights = result if isinstance(result, tuple) else (result, None)
+        out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)  # [b, L, H*h_d]
+        return self.out_proj(out), weights
+
+    # ------------------------------------------------------------------ layouts
+
+    def load_layout(self, state_dict: Mapping[str, Tensor], layout: str = "native") -> None:
+        """Load weights stored in another layout.
+
+        Args:
+            state_dict: the weights.
+            layout: one of
+
+                * ``"native"``: this module's own keys (``q_proj.weight``, ...);
+                * ``"per_head"``: the tutorial's layout, one ``nn.Linear`` per head and
+                  projection: ``heads.{i}.q.weight`` ``[h_d, D]`` (and ``k``, ``v``,
+                  with biases), plus ``output_linear.weight``/``.bias``;
+                * ``"packed"``: torch ``nn.MultiheadAttention``'s fused
+                  ``in_proj_weight`` ``[3*D, D]`` (q, k, v stacked), ``in_proj_bias``,
+                  ``out_proj.weight``/``.bias``.
+
+        Raises:
+            ValueError: unknown layout, missing keys or shapes that do not fit.
+        """
+        if layout == "native":
+            converted = dict(state_dict)
+        elif layout == "per_head":
+            converted = self._from_per_head(state_dict)
+        elif layout == "packed":
+            converted = self._from_packed(state_dict)
+        else:
+            raise ValueError(
+                f"unknown layout {layout!r}; expected 'native', 'per_head' or 'packed'"
+            )
+        own = self.state_dict()
+        missing = sorted(set(own) - set(converted))
+        unexpected = sorted(set(converted) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"layout {layout!r}: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        for name, t in converted.items():
+            if t.shape != own[name].shape:
+                raise ValueError(
+                    f"layout {layout!r}: {name} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(own[name].shape)}"
+                )
+        self.load_state_dict(converted)
+
+    def _from_per_head(self, sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                "the per-head layout has one key/value projection per query head; it cannot "
+                f"load into num_kv_heads={self.num_kv_heads} < num_heads={self.num_heads}"
+            )
+        n = sum(1 for k in sd if k.startswith("heads.") and k.endswith(".q.weight"))
+        if n != self.num_heads:
+            raise ValueError(f"per-head state dict has {n} heads, the module has {self.num_heads}")
+        out: dict[str, Tensor] = {}
+        for src, dst in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+            for kind in ("weight", "bias"):
+                keys = [f"heads.{i}.{src}.{kind}" for i in range(n)]
+                if all(k in sd for k in keys):
+                    out[f"{dst}.{kind}"] = torch.cat([sd[k] for k in keys], dim=0)
+        for kind in ("weight", "bias"):
+            if f"output_linear.{kind}" in sd:
+                out[f"out_proj.{kind}"] = sd[f"output_linear.{kind}"]
+        return out
+
+    def _from_packed(self, sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if "in_proj_weight" not in sd:
+            raise ValueError(f"packed layout needs 'in_proj_weight', got keys {sorted(sd)}")
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        sizes = [qd, kd, kd]
+        w = sd["in_proj_weight"]
+        if w.shape[0] != sum(sizes):
+            raise ValueError(
+                f"in_proj_weight has {w.shape[0]} rows, expected {sum(sizes)} (q {qd} + k {kd} + v {kd})"
+            )
+        out = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"), w.split(sizes, dim=0)))
+        if "in_proj_bias" in sd and sd["in_proj_bias"] is not None:
+            out |= dict(
+                zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"), sd["in_proj_bias"].split(sizes))
+            )
+        for kind in ("weight", "bias"):
+            if f"out_proj.{kind}" in sd:
+                out[f"out_proj.{kind}"] = sd[f"out_proj.{kind}"]
+        return out

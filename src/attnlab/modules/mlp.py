@@ -1,0 +1,52 @@
+"""Position-wise feed-forward network: ``dropout(fc_out(act(fc_in(x))))``.
+
+Shape notation: ``B`` batch, ``S`` sequence, ``D`` model width, ``F`` hidden width.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from attnlab.modules.activations import get_activation
+
+__all__ = ["FeedForward"]
+
+
+class FeedForward(nn.Module):
+    """Two linear layers with an activation between them (Vaswani et al., 2017, sec. 3.3).
+
+    Args:
+        embed_dim: model width ``D``.
+        hidden_dim: inner width ``F`` (BERT: ``4 * D``).
+        activation: activation name (``"gelu"`` is the exact erf GELU BERT uses).
+        dropout: dropout after the second linear layer (training only).
+        bias: biases on both linear layers.
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        hidden_dim: int,
+        activation: str = "gelu",
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, val in (("embed_dim", embed_dim), ("hidden_dim", hidden_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.activation_name = activation
+        self.act = get_activation(activation)
+        self.fc_in = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.fc_out = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation_name!r}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, S, D] -> [B, S, D]``."""
+        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
