@@ -1,0 +1,5 @@
+import sys
+
+from attnlab.cli.main import main
+
+sys.exit(main())
