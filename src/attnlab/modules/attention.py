@@ -114,14 +114,11 @@ class MultiHeadAttention(nn.Module):
         """
         if query is key is value:
             lins = (self.q_proj, self.k_proj, self.v_proj)
-            weight = torch.cat([lin.weight for lin in lins])
-            biases = [lin.bias for lin in lins if lin.bias is not None]
-            bias = (
-                torch.cat(biases) if len(biases) == 3 else None
-            )  # the constructor sets all or none
-            q, k, v = F.linear(query, weight, bias).split(
-                [lin.out_features for lin in lins], dim=-1
-            )
+            weight = torch.cat(tuple(lin.weight for lin in lins))
+            # The constructor gives all three a bias or none.
+            bias = torch.cat(tuple(lin.bias for lin in lins)) if lins[0].bias is not None else None
+            sizes = [lin.out_features for lin in lins]
+            q, k, v = F.linear(query, weight, bias).split(sizes, dim=-1)
             return q, k, v
         return self.q_proj(query), self.k_proj(key), self.v_proj(value)
 
