@@ -30,6 +30,7 @@ Nothing here runs a model: :func:`estimate` is arithmetic on an
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -349,7 +350,7 @@ def _window_density(window: int, q_len: int, kv_len: int, q_offset: int) -> floa
     lo, hi = q_offset, q_offset + q_len - 1
     cuts = sorted({lo, hi + 1, *(c for c in (window, kv_len, kv_len + window) if lo < c <= hi)})
     total = 0
-    for a, b1 in zip(cuts, cuts[1:]):
+    for a, b1 in itertools.pairwise(cuts):
         b = b1 - 1  # the piece is p in [a, b], linear there
         total += (seen(a) + seen(b)) * (b - a + 1) // 2
     return total / (q_len * kv_len)
@@ -534,7 +535,11 @@ def estimate(
         TypeError: an object no adapter describes.
     """
     spec = describe(config_or_model)
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("new_tokens", new_tokens)):
+    for name, value in (
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("new_tokens", new_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if mode not in ("inference", "training", "decode"):
@@ -613,9 +618,7 @@ def estimate(
         enc_shape = _Shape(b=batch_size, lq=seq_len, s=seq_len, density=1.0)
         if not decode:
             add_layers(spec.num_layers, enc_shape, None)
-            dec_self = _Shape(
-                b=batch_size, lq=tgt, s=tgt, density=_causal_density(tgt, tgt, 0)
-            )
+            dec_self = _Shape(b=batch_size, lq=tgt, s=tgt, density=_causal_density(tgt, tgt, 0))
         else:
             dec_self = self_shape
         cross = _Shape(b=batch_size, lq=dec_self.lq, s=seq_len, density=1.0, cross=True)
@@ -628,9 +631,13 @@ def estimate(
     tokens = batch_size * lq
     d, v = spec.hidden_size, spec.vocab_size
     ew = ELEMENTWISE_FLOPS
-    emb_ew = tokens * d * (
-        ew["embedding_add"] * (int(spec.learned_positions) + int(spec.type_vocab_size > 0))
-        + (ew[spec.norm] if spec.embedding_norm else 0)
+    emb_ew = (
+        tokens
+        * d
+        * (
+            ew["embedding_add"] * (int(spec.learned_positions) + int(spec.type_vocab_size > 0))
+            + (ew[spec.norm] if spec.embedding_norm else 0)
+        )
     )
     by["embeddings"].add(ew=emb_ew)
     if spec.final_norm:
@@ -767,12 +774,12 @@ def _activations(
     per_layer = _layer_saved(spec, sh, traits, bpe, training=True)
     layer_total = sum(per_layer.values())
     # embeddings: the norm's input and the output (the first layer's input)
-    emb = 2 * t * d * bpe if spec.embedding_norm else t * d * bpe
+    emb = float(2 * t * d * bpe if spec.embedding_norm else t * d * bpe)
     if spec.hidden_dropout > 0:
         emb += t * d * bpe  # the embedding dropout's mask
     logits = 0.0
     if spec.lm_head:
-        logits = head_tokens * v * bpe * 2  # logits and their gradient
+        logits = head_tokens * v * bpe * 2.0  # logits and their gradient
     # transient at the start of the backward pass: the gradient of the scores and of the
     # weights of one layer (materialised) or a few hidden-sized gradients (tiled)
     full_pairs = sh.b * spec.num_heads * sh.lq * sh.s
@@ -797,8 +804,6 @@ def _activations(
     return peak, comps
 
 
-def sequence_sweep(
-    config_or_model: Any, seq_lens: list[int], **kwargs: Any
-) -> list[CostReport]:
+def sequence_sweep(config_or_model: Any, seq_lens: list[int], **kwargs: Any) -> list[CostReport]:
     """:func:`estimate` at each sequence length (same keyword arguments)."""
     return [estimate(config_or_model, seq_len=n, **kwargs) for n in seq_lens]
