@@ -763,7 +763,7 @@ def _activations(
         attn += t * (spec.q_dim + 2 * spec.kv_dim) * bpe * (2 if traits.materialises_scores else 1)
         n_mats = 3 if spec.ffn == "gated" else 2
         ffn = t * f * bpe * (n_mats)
-        logits = head_tokens * v * bpe if spec.lm_head else 0
+        logits = float(head_tokens * v * bpe) if spec.lm_head else 0.0
         peak = hidden + max(attn, ffn, logits)
         comps = {"attention_scores": hidden + attn if attn >= ffn else hidden, "feed_forward": 0.0}
         if ffn > attn:
