@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-__all__ = ["ArchSpec", "adapters", "describe", "register_adapter"]
+__all__ = ["PRESETS", "ArchSpec", "adapters", "describe", "preset", "register_adapter"]
 
 FfnKind = Literal["standard", "gated"]
 NormKind = Literal["layernorm", "rmsnorm"]
@@ -158,9 +158,9 @@ def describe(config_or_model: Any) -> ArchSpec:
     Raises:
         TypeError: no adapter knows the object's config type (the message lists those known).
     """
-    _register_builtin()
     if isinstance(config_or_model, ArchSpec):
         return config_or_model
+    _register_builtin()
     config = getattr(config_or_model, "config", config_or_model)
     for cls in type(config).__mro__:
         if cls in _ADAPTERS:
@@ -214,3 +214,99 @@ def _register_builtin() -> None:
 
     _ADAPTERS.setdefault(EncoderConfig, _encoder)
     _BUILTIN_DONE = True
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def _presets() -> dict[str, ArchSpec]:
+    tutorial = ArchSpec(
+        name="tutorial",
+        num_layers=12,
+        hidden_size=768,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        ffn="standard",
+        intermediate_size=3072,
+        vocab_size=30522,
+        max_positions=512,
+        type_vocab_size=2,
+        embedding_norm=True,
+        pooler=True,
+    )
+    llama = ArchSpec(
+        name="llama-2-7b",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        ffn="gated",
+        intermediate_size=11008,
+        vocab_size=32000,
+        activation="silu",
+        causal=True,
+        position="rope",
+        max_positions=4096,
+        learned_positions=False,
+        norm="rmsnorm",
+        final_norm=True,
+        attention_bias=False,
+        attention_out_bias=False,
+        mlp_bias=False,
+        lm_head=True,
+        tied_embeddings=False,
+    )
+    return {
+        # BERT-base sizes: the tutorial's table (hidden 768, 12 heads)
+        "tutorial": tutorial,
+        "bert-base": tutorial.with_(name="bert-base"),
+        "minilm": tutorial.with_(
+            name="all-MiniLM-L6-v2", num_layers=6, hidden_size=384, head_dim=32, intermediate_size=1536
+        ),
+        "gpt2": ArchSpec(
+            name="gpt2",
+            num_layers=12,
+            hidden_size=768,
+            num_heads=12,
+            num_kv_heads=12,
+            head_dim=64,
+            ffn="standard",
+            intermediate_size=3072,
+            vocab_size=50257,
+            activation="gelu_new",
+            causal=True,
+            max_positions=1024,
+            final_norm=True,
+            lm_head=True,
+            tied_embeddings=True,
+        ),
+        "llama-2-7b": llama,
+        "llama-3-8b": llama.with_(
+            name="llama-3-8b",
+            num_kv_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_positions=8192,
+        ),
+        "mistral-7b": llama.with_(
+            name="mistral-7b",
+            num_kv_heads=8,
+            intermediate_size=14336,
+            window=4096,
+            max_positions=32768,
+        ),
+    }
+
+
+#: Named architectures for the command line (sizes from the published configs).
+PRESETS: dict[str, ArchSpec] = _presets()
+
+
+def preset(name: str) -> ArchSpec:
+    """The preset called ``name``; ``ValueError`` lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None

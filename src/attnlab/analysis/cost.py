@@ -34,8 +34,6 @@ import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from attnlab.analysis.arch import ArchSpec, describe
 
 __all__ = [
@@ -134,6 +132,32 @@ BACKEND_TRAITS: dict[str, BackendTraits] = {
         dropout_score_tensors=3.0,
         description="torch's fused kernel: tiles, skips causal blocks, recomputes in backward",
     ),
+    # issue 4's backends: tiles in PyTorch (FlashAttention-2), gathered key blocks,
+    # compiled FlexAttention: none builds L x S, all skip the tiles a pattern masks out
+    "tiled": BackendTraits(
+        materialises_scores=False,
+        skips="pattern",
+        backward_factor=2.5,
+        description="FlashAttention-2 tiles: skips masked tiles, saves a logsumexp per row",
+    ),
+    "sparse": BackendTraits(
+        materialises_scores=False,
+        skips="pattern",
+        backward_factor=2.5,
+        description="gathered key blocks per query block: about L x window pairs",
+    ),
+    "flex": BackendTraits(
+        materialises_scores=False,
+        skips="pattern",
+        backward_factor=2.5,
+        description="compiled FlexAttention with a block mask",
+    ),
+    "linear": BackendTraits(
+        materialises_scores=False,
+        skips="none",
+        linear=True,
+        description="kernelised linear attention: O(L E^2), no score matrix (approximate)",
+    ),
 }
 
 
@@ -146,31 +170,41 @@ def register_backend_traits(name: str, traits: BackendTraits) -> None:
     BACKEND_TRAITS[name] = traits
 
 
-def dtype_bytes(dtype: torch.dtype | str) -> int:
+_DTYPE_NAMES: dict[str, tuple[str, int]] = {
+    "fp32": ("float32", 4),
+    "float32": ("float32", 4),
+    "float": ("float32", 4),
+    "fp16": ("float16", 2),
+    "float16": ("float16", 2),
+    "half": ("float16", 2),
+    "bf16": ("bfloat16", 2),
+    "bfloat16": ("bfloat16", 2),
+    "fp64": ("float64", 8),
+    "float64": ("float64", 8),
+}
+
+
+def _dtype(dtype: Any) -> tuple[str, int]:
+    """``(name, bytes per element)`` of a floating ``torch.dtype`` or its name.
+
+    Works without importing torch (the CLI's ``estimate`` never does).
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[dtype]
+    if type(dtype).__name__ != "dtype" or not getattr(dtype, "is_floating_point", False):
+        raise ValueError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
+    return str(dtype).removeprefix("torch."), int(dtype.itemsize)
+
+
+def dtype_bytes(dtype: Any) -> int:
     """Bytes per element of a floating dtype, given as ``torch.float16`` or ``"bf16"``/``"float16"``.
 
     Raises:
         ValueError: an unknown name or a non-floating dtype.
     """
-    aliases = {
-        "fp32": torch.float32,
-        "float32": torch.float32,
-        "float": torch.float32,
-        "fp16": torch.float16,
-        "float16": torch.float16,
-        "half": torch.float16,
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "fp64": torch.float64,
-        "float64": torch.float64,
-    }
-    if isinstance(dtype, str):
-        if dtype not in aliases:
-            raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(aliases)}")
-        dtype = aliases[dtype]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
-    return dtype.itemsize
+    return _dtype(dtype)[1]
 
 
 @dataclass
@@ -488,7 +522,7 @@ def estimate(
     batch_size: int = 1,
     seq_len: int,
     mode: Mode = "inference",
-    dtype: torch.dtype | str = torch.float32,
+    dtype: Any = "float32",
     backend: str = "auto",
     new_tokens: int = 1,
     target_len: int | None = None,
@@ -550,8 +584,7 @@ def estimate(
         )
     if cache not in ("contiguous", "static", "sliding"):
         raise ValueError(f"cache must be 'contiguous', 'static' or 'sliding', got {cache!r}")
-    bpe = dtype_bytes(dtype)
-    dtype_name = str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+    dtype_name, bpe = _dtype(dtype)
     backend = _resolve_backend(backend, mode)
     traits = _traits(backend)
     if window is not None:
