@@ -263,7 +263,11 @@ def _presets() -> dict[str, ArchSpec]:
         "tutorial": tutorial,
         "bert-base": tutorial.with_(name="bert-base"),
         "minilm": tutorial.with_(
-            name="all-MiniLM-L6-v2", num_layers=6, hidden_size=384, head_dim=32, intermediate_size=1536
+            name="all-MiniLM-L6-v2",
+            num_layers=6,
+            hidden_size=384,
+            head_dim=32,
+            intermediate_size=1536,
         ),
         "gpt2": ArchSpec(
             name="gpt2",

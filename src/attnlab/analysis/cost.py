@@ -418,6 +418,7 @@ class _Shape:
     s: int  # keys per query (stored)
     density: float  # fraction of the L x S pairs attended
     cross: bool = False  # cross-attention: keys come from another sequence
+    kv_new: int | None = None  # tokens per sequence whose keys/values are projected (default lq)
 
 
 def _attention_work(
@@ -489,7 +490,9 @@ def _layer_flops(
     spec: ArchSpec, sh: _Shape, traits: BackendTraits, *, masked: bool
 ) -> dict[str, tuple[float, float]]:
     """Forward (matmul, element-wise) FLOPs of one layer's self- or cross-attention + FFN."""
-    t, tk = sh.b * sh.lq, sh.b * sh.s
+    t = sh.b * sh.lq
+    # keys/values are projected for the new tokens only; a cache holds the others
+    tk = sh.b * (sh.lq if sh.kv_new is None else sh.kv_new)
     d, f = spec.hidden_size, spec.intermediate_size
     q_proj = 2.0 * t * d * spec.q_dim
     kv_proj = 2.0 * tk * d * 2 * spec.kv_dim
@@ -654,7 +657,15 @@ def estimate(
             dec_self = _Shape(b=batch_size, lq=tgt, s=tgt, density=_causal_density(tgt, tgt, 0))
         else:
             dec_self = self_shape
-        cross = _Shape(b=batch_size, lq=dec_self.lq, s=seq_len, density=1.0, cross=True)
+        # the encoder output is projected once per sequence (cached while decoding)
+        cross = _Shape(
+            b=batch_size,
+            lq=dec_self.lq,
+            s=seq_len,
+            density=1.0,
+            cross=True,
+            kv_new=0 if decode else seq_len,
+        )
         add_layers(spec.num_decoder_layers, dec_self, cross)
         n_self = spec.num_decoder_layers
         head_tokens = batch_size * dec_self.lq

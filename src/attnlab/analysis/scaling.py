@@ -58,7 +58,9 @@ class ScalingRow:
     kv_cache_bytes: int
 
 
-def tutorial_variants(base: ArchSpec | None = None, *, window: int = 512, kv_heads: int = 4) -> dict[str, ArchSpec]:
+def tutorial_variants(
+    base: ArchSpec | None = None, *, window: int = 512, kv_heads: int = 4
+) -> dict[str, ArchSpec]:
     """``dense``, ``sliding`` and ``gqa`` versions of ``base`` (default: the tutorial's sizes).
 
     Raises:
@@ -99,7 +101,9 @@ def scaling_table(
         for n in seq_lens:
             inf = estimate(spec, batch_size=batch_size, seq_len=n, backend=backend)
             mat = estimate(spec, batch_size=batch_size, seq_len=n, backend="reference")
-            train = estimate(spec, batch_size=batch_size, seq_len=n, mode="training", backend=backend)
+            train = estimate(
+                spec, batch_size=batch_size, seq_len=n, mode="training", backend=backend
+            )
             kv = estimate(
                 spec,
                 batch_size=batch_size,

@@ -59,8 +59,15 @@ def head_stat_figure(heads: Sequence[Any], stat: str = "entropy", *, title: str 
         for j, v in enumerate(row):
             if v == v:
                 light = v < lo + 0.55 * (hi - lo)
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6.5,
-                        color="white" if light else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=6.5,
+                    color="white" if light else "black",
+                )
     ax.set_title(title or _LABELS[stat], fontsize=10)
     fig.colorbar(im, ax=ax, shrink=0.85)
     return fig
@@ -87,15 +94,39 @@ def cost_vs_length_figure(rows: Sequence[Any], *, title: str = "") -> Any:
         rs = [r for r in rows if r.variant == v]
         n = [r.seq_len for r in rs]
         c = colors[k % len(colors)]
-        ax_f.plot(n, [r.attention_flops_per_layer for r in rs], "-o", ms=3, color=c, label=f"{v}: attention / layer")
+        ax_f.plot(
+            n,
+            [r.attention_flops_per_layer for r in rs],
+            "-o",
+            ms=3,
+            color=c,
+            label=f"{v}: attention / layer",
+        )
         ax_f.plot(n, [r.forward_flops for r in rs], "--", color=c, label=f"{v}: model forward")
-        ax_m.plot(n, [r.training_activations_tiled for r in rs], "-o", ms=3, color=c, label=f"{v}: training activations (tiled)")
+        ax_m.plot(
+            n,
+            [r.training_activations_tiled for r in rs],
+            "-o",
+            ms=3,
+            color=c,
+            label=f"{v}: training activations (tiled)",
+        )
         ax_m.plot(n, [r.kv_cache_bytes for r in rs], ":", color=c, label=f"{v}: KV cache (fp16)")
     dense = [r for r in rows if r.variant == variants[0]]
-    ax_f.plot([r.seq_len for r in dense], [r.tutorial_n2d for r in dense], color="gray", lw=1,
-              label="tutorial n²·d")
-    ax_m.plot([r.seq_len for r in dense], [r.score_matrix_bytes for r in dense], color="gray", lw=1,
-              label="one layer's score matrix (fp32)")
+    ax_f.plot(
+        [r.seq_len for r in dense],
+        [r.tutorial_n2d for r in dense],
+        color="gray",
+        lw=1,
+        label="tutorial n²·d",
+    )
+    ax_m.plot(
+        [r.seq_len for r in dense],
+        [r.score_matrix_bytes for r in dense],
+        color="gray",
+        lw=1,
+        label="one layer's score matrix (fp32)",
+    )
     for ax, label in ((ax_f, "FLOPs"), (ax_m, "bytes")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
