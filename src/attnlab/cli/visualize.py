@@ -55,8 +55,12 @@ def run(args: argparse.Namespace) -> int:
     progress.step("drawing")
     layers = list(out.attentions)
     bar = iter(progress.bar(range(len(layers)), "layers"))
+
+    def tick(layer: int) -> None:
+        next(bar, None)
+
     entries = write_attention_pictures(
-        args.out, layers, tokens, name=name, subtitle=text, on_layer=lambda i: next(bar, None)
+        args.out, layers, tokens, name=name, subtitle=text, on_layer=tick
     )
     index = write_index(args.out, f"{name}: attention on {text!r}", entries)
     progress.step("done")
