@@ -33,22 +33,22 @@ class Progress:
                 f"[{self.done}/{self.total}] {what} ({elapsed:.1f} s)", file=sys.stderr, flush=True
             )
 
-    def bar(self, items: Iterable[T], what: str, total: int | None = None) -> Iterator[T]:
-        seq = list(items)
-        n = len(seq) if total is None else total
+    def tick(self, i: int, n: int, what: str) -> None:
+        """Show that ``i`` of ``n`` items are done."""
+        if self.quiet:
+            return
         tty = sys.stderr.isatty()
+        filled = int(20 * i / max(n, 1))
+        line = f"    [{'#' * filled}{' ' * (20 - filled)}] {i}/{n} {what}"
+        end = "" if tty and i < n else "\n"
+        print(("\r" + line) if tty else line, end=end, file=sys.stderr, flush=True)
+
+    def bar(self, items: Iterable[T], what: str) -> Iterator[T]:
+        """Yield ``items``, showing the bar as each one is finished."""
+        seq = list(items)
         for i, item in enumerate(seq, 1):
             yield item
-            if self.quiet:
-                continue
-            filled = int(20 * i / max(n, 1))
-            line = f"    [{'#' * filled}{' ' * (20 - filled)}] {i}/{n} {what}"
-            print(
-                ("\r" + line) if tty else line,
-                end="" if tty and i < n else "\n",
-                file=sys.stderr,
-                flush=True,
-            )
+            self.tick(i, len(seq), what)
 
 
 def load_model(path: str | None) -> tuple[Any, Any, str]:

@@ -54,10 +54,8 @@ def run(args: argparse.Namespace) -> int:
         out = model(**batch, output_attentions=True)
     progress.step("drawing")
     layers = list(out.attentions)
-    bar = iter(progress.bar(range(len(layers)), "layers"))
-
     def tick(layer: int) -> None:
-        next(bar, None)
+        progress.tick(layer + 1, len(layers), "layers drawn")
 
     entries = write_attention_pictures(
         args.out, layers, tokens, name=name, subtitle=text, on_layer=tick
