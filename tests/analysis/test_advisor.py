@@ -51,7 +51,10 @@ def test_tight_memory_turns_on_bf16_and_checkpointing_with_the_savings() -> None
 def test_latency_budget_picks_a_window_and_gqa_for_realtime() -> None:
     a = advise("realtime", seq_len=4096, memory_gb=4, latency_ms=50)
     assert a.get("kv_heads").choice.endswith("(GQA)")
-    assert "12 kv heads" in a.get("kv_heads").reason and "tutorial's real-time rule" in a.get("kv_heads").reason
+    assert (
+        "12 kv heads" in a.get("kv_heads").reason
+        and "tutorial's real-time rule" in a.get("kv_heads").reason
+    )
     lat = a.get("latency")
     assert lat.choice == "meets the budget"
     assert a.arch.num_kv_heads < a.arch.num_heads

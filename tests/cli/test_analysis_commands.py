@@ -36,8 +36,24 @@ def test_estimate_prints_the_tutorial_table_extended(capsys: pytest.CaptureFixtu
     assert "50.33 MFLOP" in text  # 4·n²·d at 128 = 4 x the tutorial's 12,582,912
 
 
-def test_estimate_json_one_shape_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", "--preset", "llama-3-8b", "--seq-len", "8192", "--mode", "decode", "--json"]) == 0
+def test_estimate_json_one_shape_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "estimate",
+                "--preset",
+                "llama-3-8b",
+                "--seq-len",
+                "8192",
+                "--mode",
+                "decode",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     # 2 x 32 layers x 8 kv heads x 128 x 8193 tokens x 4 bytes
     assert data["kv_cache_bytes"] == 2 * 32 * 8 * 128 * 8193 * 4
@@ -52,7 +68,9 @@ def test_estimate_json_one_shape_and_plot(tmp_path: Path, capsys: pytest.Capture
 def test_estimate_imports_no_torch() -> None:
     code = "import sys; from attnlab.cli.main import main; main(['estimate']); assert 'torch' not in sys.modules"
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env=env, capture_output=True, timeout=60
+    )
 
 
 def test_advise(capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,13 +88,29 @@ def test_diagnose_finds_an_injected_fault(capsys: pytest.CaptureFixture[str]) ->
     assert main(["diagnose", "--inject", "nan-weights", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["first_nonfinite_module"] == "layers.1.feed_forward.fc_in"
-    assert main(["diagnose", "--text", "time flies", "--text", "an arrow", "--inject", "blank-mask", "--heads"]) == 1
+    assert (
+        main(
+            [
+                "diagnose",
+                "--text",
+                "time flies",
+                "--text",
+                "an arrow",
+                "--inject",
+                "blank-mask",
+                "--heads",
+            ]
+        )
+        == 1
+    )
     captured = capsys.readouterr()
     assert "attention_mask[1]" in captured.out and "first-token" in captured.out
     assert "[3/3] done" in captured.err  # progress on stderr
 
 
-def test_visualize_writes_a_folder_with_an_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_visualize_writes_a_folder_with_an_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "vis"
     assert main(["visualize", "--text", "the cat sat on the mat", "--out", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

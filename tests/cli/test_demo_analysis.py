@@ -1,0 +1,25 @@
+"""What issue 5 adds to `attnlab demo`: the explorer, the cost table and an index page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli.main import main
+
+
+def test_demo_adds_explorer_cost_table_and_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--no-compare"]) == 0
+    text = capsys.readouterr().out
+    assert "5. Explore it yourself" in text and "6. What attention costs" in text
+    assert "  32768  824,633,720,832" in text  # the tutorial's n²·d, extended to 32768
+    assert f"{out / 'index.html'}  (start here)" in text
+    page = (out / "index.html").read_text()
+    assert 'href="explorer.html"' in page and 'src="layer5_heads.png"' in page
+    assert "824,633,720,832" in page  # the cost table, on the index page too
+    explorer = (out / "explorer.html").read_text()
+    assert '"tokens":["[CLS]","time","flies","like","an","arrow","[SEP]"]' in explorer
