@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnlab.backends as backends
-from attnlab.analysis.diagnose import NonFiniteWatch, attention_head_stats, diagnose
+from attnlab.analysis.diagnostics import NonFiniteWatch, attention_head_stats, diagnose
 from attnlab.backends import registry
 from attnlab.functional.attention import sdpa_reference
 from attnlab.functional.masks import causal_mask

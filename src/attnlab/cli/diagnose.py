@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from attnlab.analysis.diagnose import diagnose
+    from attnlab.analysis.diagnostics import diagnose
     from attnlab.cli._common import Progress, load_model
 
     progress = Progress(3, quiet=args.json)

@@ -1,7 +1,7 @@
 """Plots of attention statistics and of cost (matplotlib's object API, the ``viz`` extra).
 
 * :func:`head_stat_figure`: a layer x head grid of one statistic (entropy, attention
-  distance, first-token share...) from :func:`attnlab.analysis.diagnose.attention_head_stats`;
+  distance, first-token share...) from :func:`attnlab.analysis.diagnostics.attention_head_stats`;
 * :func:`cost_vs_length_figure`: FLOPs and memory against sequence length, log-log, from
   :func:`attnlab.analysis.scaling.scaling_table`.
 """
@@ -28,7 +28,7 @@ def head_stat_figure(heads: Sequence[Any], stat: str = "entropy", *, title: str 
     """A layers x heads heatmap of one statistic, each cell annotated.
 
     Args:
-        heads: :class:`~attnlab.analysis.diagnose.HeadStats` for every layer and head.
+        heads: :class:`~attnlab.analysis.diagnostics.HeadStats` for every layer and head.
         stat: the attribute to draw: ``entropy``, ``mean_distance``, ``first_token_share``,
             ``max_weight`` or ``row_sum_error``.
         title: figure title (default: the statistic's name).

@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import logging
 import math
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -235,6 +236,7 @@ class NonFiniteWatch:
         self.first_outputs: list[dict[str, Any]] = []
         self.stack: list[str] = []
         self._args: list[Any] = []
+        self._recent: deque[Tensor] = deque(maxlen=4)
         self.deepest_on_error: str | None = None
         self._handles: list[Any] = []
 
@@ -247,9 +249,20 @@ class NonFiniteWatch:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is not None and self.stack:
             self.deepest_on_error = self.stack[-1]
+        self._recent.clear()
+        self._args.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _finite_once(self, t: Tensor) -> bool:
+        """``_finite(t)``, skipping a tensor just checked (a container often returns its last
+        child's output). The few recent tensors are held, so their ids cannot be reused."""
+        if any(t is c for c in self._recent):
+            return True
+        ok = _finite(t)
+        self._recent.append(t)
+        return ok
 
     def _pre(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -265,7 +278,7 @@ class NonFiniteWatch:
                 self._args.pop()
             if self.first_module is not None:
                 return
-            if all(_finite(t) for t in _tensors(output)):
+            if all(self._finite_once(t) for t in _tensors(output)):
                 return
             culprit, culprit_args = name, args
             if self.stack and not all(_finite(t) for t in _tensors(args)):
