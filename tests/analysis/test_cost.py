@@ -88,6 +88,7 @@ def test_training_matmul_flops_match_flop_counter() -> None:
 _MEASURE = textwrap.dedent(
     """
     import json, sys, torch
+    from torch.utils.checkpoint import checkpoint
     import attnlab.backends as backends
     from attnlab.analysis.measure import peak_memory
     from attnlab.models import EncoderConfig, EncoderModel
@@ -98,7 +99,13 @@ _MEASURE = textwrap.dedent(
     ids = torch.randint(0, cfg.vocab_size, (args["batch"], args["seq"]))
     def step():
         with backends.use(args["backend"]):
-            model(ids).last_hidden_state.sum().backward()
+            if not args["checkpointing"]:
+                model(ids).last_hidden_state.sum().backward()
+                return
+            x = model.embeddings(ids)
+            for layer in model.layers:
+                x = checkpoint(lambda h, layer=layer: layer(h)[0], x, use_reentrant=False)
+            x.sum().backward()
     step()
     model.zero_grad(set_to_none=True)
     print(json.dumps(peak_memory(step)))
@@ -124,6 +131,13 @@ MEMORY_CASES = {
     ),
     # torch's fused kernel: no score matrix saved
     "sdpa-tiled": dict(hidden_size=256, num_attention_heads=4, batch=2, seq=512, backend="sdpa"),
+    # per-layer gradient checkpointing (torch.utils.checkpoint around each layer)
+    "reference-checkpointed": dict(
+        hidden_size=128, num_attention_heads=4, batch=2, seq=512, backend="reference", ckpt=True
+    ),
+    "sdpa-checkpointed": dict(
+        hidden_size=256, num_attention_heads=4, batch=2, seq=512, backend="sdpa", ckpt=True
+    ),
 }
 
 
@@ -132,10 +146,12 @@ MEMORY_CASES = {
 def test_training_activation_memory_within_20_percent_of_measured_peak(case: str) -> None:
     spec = dict(MEMORY_CASES[case])
     batch, seq, backend = spec.pop("batch"), spec.pop("seq"), spec.pop("backend")
+    ckpt = bool(spec.pop("ckpt", False))
     config = (
         dict(
             vocab_size=1000,
-            num_hidden_layers=2,
+            num_hidden_layers=4 if ckpt else 2,
+            add_pooler=not ckpt,
             intermediate_size=4 * int(spec["hidden_size"]),  # type: ignore[call-overload]
             max_position_embeddings=512,
             hidden_dropout_prob=0.0,
@@ -144,7 +160,9 @@ def test_training_activation_memory_within_20_percent_of_measured_peak(case: str
         | spec
     )
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    args = json.dumps({"config": config, "batch": batch, "seq": seq, "backend": backend})
+    args = json.dumps(
+        {"config": config, "batch": batch, "seq": seq, "backend": backend, "checkpointing": ckpt}
+    )
     out = subprocess.run(
         [sys.executable, "-c", _MEASURE, args],
         capture_output=True,
@@ -160,6 +178,7 @@ def test_training_activation_memory_within_20_percent_of_measured_peak(case: str
         seq_len=seq,  # type: ignore[arg-type]
         mode="training",
         backend=str(backend),
+        checkpointing=ckpt,
     )
     assert est.activation_bytes == pytest.approx(measured, rel=0.20), (case, measured)
 
