@@ -256,7 +256,13 @@ def test_kv_cache_bytes_formula() -> None:
     assert r.kv_cache_bytes == 2 * 2 * 3 * 2 * 16 * 101 * 2
     assert estimate(spec, seq_len=100).kv_cache_bytes == 0
     sliding = estimate(spec.with_(window=16), seq_len=100, mode="decode", cache="sliding")
-    assert sliding.kv_cache_bytes == 2 * 2 * 1 * 2 * 16 * 16 * 4
+    # the last 16 slots plus the new token, as SlidingWindowKVCache holds them
+    assert sliding.kv_cache_bytes == 2 * 2 * 1 * 2 * 16 * (16 + 1) * 4
+    # a growing cache with no preallocation doubles past the prefill
+    grown = estimate(spec, seq_len=100, mode="decode", cache_capacity=0)
+    assert grown.kv_cache_bytes == 2 * 2 * 1 * 2 * 16 * 200 * 4
+    static = estimate(spec, seq_len=100, mode="decode", cache="static", cache_capacity=512)
+    assert static.kv_cache_bytes == 2 * 2 * 1 * 2 * 16 * 512 * 4
 
 
 def test_report_serialises_and_summarises() -> None:

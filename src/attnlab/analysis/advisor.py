@@ -576,7 +576,7 @@ def _plan(
     fwd = r if mode == "inference" else estimate(s, **common)
     kv = 0
     if generative:
-        step = estimate(s, mode="decode", cache="sliding" if window else "contiguous", **common)
+        step = estimate(s, mode="decode", cache="sliding" if window else "dynamic", **common)
         kv = step.kv_cache_bytes
         # decoding is bound by reading the weights and the cache once per token
         ms = (

@@ -390,6 +390,18 @@ def _window_density(window: int, q_len: int, kv_len: int, q_offset: int) -> floa
     return total / (q_len * kv_len)
 
 
+def _dynamic_slots(prefill: int, new: int, capacity: int) -> int:
+    """Slots a growing cache holds after a prefill of ``prefill`` tokens and ``new`` more.
+
+    Mirrors ``DynamicKVCache._grow``: a write that does not fit reallocates to
+    ``max(needed, capacity, 2 * current)``.
+    """
+    size = max(prefill, capacity)
+    if size < prefill + new:
+        size = max(prefill + new, capacity, 2 * size)
+    return size
+
+
 def _causal_density(q_len: int, kv_len: int, q_offset: int) -> float:
     return _window_density(q_len + kv_len + q_offset + 1, q_len, kv_len, q_offset)
 
@@ -534,7 +546,7 @@ def estimate(
     mask: Any = None,
     window: int | None = None,
     masked: bool | None = None,
-    cache: str = "contiguous",
+    cache: str = "dynamic",
     cache_capacity: int | None = None,
 ) -> CostReport:
     """Estimate FLOPs and memory of a model without running it.
@@ -560,9 +572,14 @@ def estimate(
         window: a causal sliding window of ``window`` keys (overrides the config's).
         masked: whether a mask is applied (adds the masking FLOPs); default: when there is
             a causal mask, a window or a pattern.
-        cache: decode: ``"contiguous"`` (one slot per token), ``"static"`` (``cache_capacity``
-            slots preallocated) or ``"sliding"`` (at most ``window`` slots).
-        cache_capacity: slots a static (or preallocated contiguous) cache holds.
+        cache: decode: the KV cache, as attnlab's caches allocate it: ``"dynamic"``
+            (``DynamicKVCache``: ``cache_capacity`` slots preallocated, doubling when
+            exceeded, after a prefill of ``seq_len`` tokens; ``"contiguous"`` is an alias),
+            ``"static"`` (``StaticKVCache``: ``cache_capacity`` slots, all attended) or
+            ``"sliding"`` (``SlidingWindowKVCache``: the last ``window`` slots plus the new
+            ones).
+        cache_capacity: slots preallocated by a dynamic or static cache (default: the
+            context, as ``generate`` does).
 
     Returns:
         A :class:`CostReport`.
@@ -585,8 +602,10 @@ def estimate(
         raise ValueError(
             f"optimizer must be 'adamw', 'adam', 'sgd', 'momentum' or None, got {optimizer!r}"
         )
-    if cache not in ("contiguous", "static", "sliding"):
-        raise ValueError(f"cache must be 'contiguous', 'static' or 'sliding', got {cache!r}")
+    if cache == "contiguous":
+        cache = "dynamic"
+    if cache not in ("dynamic", "static", "sliding"):
+        raise ValueError(f"cache must be 'dynamic', 'static' or 'sliding', got {cache!r}")
     dtype_name, bpe = _dtype(dtype)
     backend = _resolve_backend(backend, mode)
     traits = _traits(backend)
@@ -602,6 +621,8 @@ def estimate(
     lq = new_tokens if decode else seq_len
     context = seq_len + new_tokens if decode else seq_len
     q_offset = context - lq
+    # keys the attention runs over (stored) and slots the cache allocates (cache_slots)
+    stored = cache_slots = context
     if decode:
         if cache == "static":
             cap = cache_capacity if cache_capacity is not None else context
@@ -609,15 +630,15 @@ def estimate(
                 raise ValueError(
                     f"cache_capacity ({cap}) is smaller than the context ({context} tokens)"
                 )
-            stored = cap
+            stored = cache_slots = cap  # StaticKVCache returns its whole buffer
         elif cache == "sliding":
             if spec.window is None:
                 raise ValueError("cache='sliding' needs a window (config or window=)")
-            stored = min(context, spec.window + lq - 1)
+            # SlidingWindowKVCache keeps the last W slots and appends the new ones to them
+            stored = cache_slots = min(seq_len, spec.window) + lq
         else:
-            stored = context
-    else:
-        stored = context
+            capacity = context if cache_capacity is None else cache_capacity
+            cache_slots = _dynamic_slots(seq_len, lq, capacity)
     if mask is not None:
         density = float(mask.density(lq, context, q_offset=q_offset))
         masked = True if masked is None else masked
@@ -631,8 +652,8 @@ def estimate(
         density = min(density, spec.pattern_density)
     if masked is None:
         masked = spec.causal or spec.window is not None or spec.pattern_density is not None
-    if decode and cache != "contiguous":
-        density *= context / stored if stored else 1.0  # keys stored but masked
+    if stored != context:
+        density *= context / stored  # the same attended pairs, over the keys returned
     self_shape = _Shape(b=batch_size, lq=lq, s=stored, density=density)
     # backends that skip work skip it on the executed keys of a sliding cache too
     by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}
@@ -719,7 +740,7 @@ def estimate(
     kv_layers = spec.num_decoder_layers or spec.num_layers
     kv_bytes = 0
     if decode:
-        kv_bytes = 2 * kv_layers * batch_size * spec.kv_dim * stored * bpe
+        kv_bytes = 2 * kv_layers * batch_size * spec.kv_dim * cache_slots * bpe
         if spec.num_decoder_layers:
             kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
 

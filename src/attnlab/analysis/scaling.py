@@ -110,7 +110,7 @@ def scaling_table(
                 seq_len=n,
                 mode="decode",
                 dtype="float16",
-                cache="sliding" if spec.window else "contiguous",
+                cache="sliding" if spec.window else "dynamic",
             )
             attn = (
                 inf.by_component["attention_scores"].matmul_flops
