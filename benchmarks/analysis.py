@@ -46,8 +46,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model = attnlab.from_hf(minilm_path()).eval()
     g = torch.Generator().manual_seed(0)
@@ -118,7 +121,7 @@ median of {args.rounds} alternating rounds ({machine_line()}):
 | bare forward returning the weights (reference backend) | {ms["bare_weights"]:.1f} | | {cms["bare_weights"]:.1f} | |
 | `diagnose()` in full: hooks + weights + per-head statistics | {ms["full"]:.1f} | {stats:+.1%} | {cms["full"]:.1f} | {stats_cpu:+.1%} |
 
-Target for the hooks: at most +20 %. "CPU ms" is this process's CPU time (both threads), which
+Target for the hooks: at most +20 %. "CPU ms" is this process's CPU time (all its threads), which
 the other jobs on the shared machine disturb less than the wall clock.
 
 Cost model (`estimate`, pure arithmetic): {per_call:.3f} ms per call, median over every preset
@@ -126,7 +129,7 @@ Cost model (`estimate`, pure arithmetic): {per_call:.3f} ms per call, median ove
 end to end (a fresh Python process, the full table of 27 rows, torch never imported):
 {cli_ms:.0f} ms.
 
-Command: `PYTHONPATH=src python benchmarks/analysis.py --write`
+Command: `PYTHONPATH=src python benchmarks/analysis.py --batch {args.batch} --rounds {args.rounds} --threads {args.threads} --write`
 """
     print(body)
     if args.write:
