@@ -306,3 +306,24 @@ def test_unknown_config_type_names_known_ones() -> None:
             intermediate_size=8,
             vocab_size=10,
         )
+
+
+def test_tile_skipping_backends_count_whole_tiles() -> None:
+    spec = describe(EncoderConfig()).with_(causal=True)
+    exact = estimate(spec, seq_len=1000, backend="sdpa")  # skips the causal half exactly
+    tiled = estimate(spec, seq_len=1000, backend="tiled")  # 256 x 256 tiles
+    blocks = [min(256, 1000 - q0) for q0 in range(0, 1000, 256)]  # 256, 256, 256, 232
+    keys = [min(1000, 256 * (i + 1)) for i in range(4)]  # key blocks 0..i
+    pairs = sum(r * k for r, k in zip(blocks, keys))
+    assert tiled.by_component["attention_scores"].matmul_flops == 2 * 12 * 12 * 64 * pairs
+    assert exact.by_component["attention_scores"].matmul_flops == pytest.approx(
+        2 * 12 * 12 * 64 * 1000 * 1001 / 2
+    )
+    # a dense window mask given to sdpa: every pair is computed
+    masked = estimate(spec, seq_len=1000, backend="sdpa", window=100)
+    assert masked.by_component["attention_scores"].matmul_flops == 2 * 12 * 12 * 64 * 1000**2
+    # a sliding cache: the last W + 1 keys, the new query last
+    step = estimate(
+        spec.with_(window=300), seq_len=5000, mode="decode", cache="sliding", backend="tiled"
+    )
+    assert step.by_component["attention_scores"].matmul_flops == 2 * 12 * 12 * 64 * 1 * 301

@@ -98,6 +98,9 @@ class BackendTraits:
             training (None: as without dropout). torch's fused CPU kernels fall back to
             the math path with dropout, which saves the weights, the dropout mask (float
             on CPU) and the dropped weights.
+        block: ``(block_q, block_k)`` tile of a tile-skipping kernel: masked work is
+            skipped per tile, so the pairs computed are counted per tile (None: exactly
+            the pattern's density).
         linear: kernelised linear attention (no score matrix at all; Katharopoulos et al., 2020).
         description: one line for reports.
     """
@@ -109,6 +112,7 @@ class BackendTraits:
     backward_factor: float = 2.0
     linear: bool = False
     dropout_score_tensors: float | None = None
+    block: tuple[int, int] | None = None
     description: str = ""
 
 
@@ -138,18 +142,21 @@ BACKEND_TRAITS: dict[str, BackendTraits] = {
         materialises_scores=False,
         skips="pattern",
         backward_factor=2.5,
+        block=(256, 256),
         description="FlashAttention-2 tiles: skips masked tiles, saves a logsumexp per row",
     ),
     "sparse": BackendTraits(
         materialises_scores=False,
         skips="pattern",
         backward_factor=2.5,
+        block=(64, 64),
         description="gathered key blocks per query block: about L x window pairs",
     ),
     "flex": BackendTraits(
         materialises_scores=False,
         skips="pattern",
         backward_factor=2.5,
+        block=(128, 128),
         description="compiled FlexAttention with a block mask",
     ),
     "linear": BackendTraits(
@@ -431,6 +438,11 @@ class _Shape:
     density: float  # fraction of the L x S pairs attended
     cross: bool = False  # cross-attention: keys come from another sequence
     kv_new: int | None = None  # tokens per sequence whose keys/values are projected (default lq)
+    # the structure, for tile counts: causal, a causal window of W keys, first query's position
+    causal: bool = False
+    window: int | None = None
+    q_offset: int = 0
+    structured: bool = True  # False when an arbitrary pattern (known by its density) is used
 
 
 def _attention_work(
@@ -444,9 +456,42 @@ def _attention_work(
         q = 2.0 * b * h * sh.lq * e * e + 2.0 * b * h * sh.lq * e
         return kv, q, 0.0
     pairs = float(b * h * sh.lq * sh.s)
-    if traits.skips == "pattern" or (traits.skips == "causal" and causal_flag):
+    if traits.skips == "pattern":
+        if traits.block is not None and sh.structured:
+            pairs = float(b * h) * _tile_pairs(sh, *traits.block)
+        else:
+            pairs *= sh.density
+    elif traits.skips == "causal" and causal_flag and sh.window is None and sh.structured:
+        # a fused kernel given is_causal alone skips the upper triangle; any other mask
+        # arrives dense and every pair is computed
         pairs *= sh.density
     return 2.0 * pairs * e, 2.0 * pairs * e, pairs
+
+
+def _tile_pairs(sh: _Shape, block_q: int, block_k: int) -> float:
+    """(query, key) pairs per head a kernel with ``block_q x block_k`` tiles computes.
+
+    A tile is computed whole when the mask keeps any pair in it: for each query block,
+    the key blocks between its first row's lowest key and its last row's highest key.
+    O(L / block_q) steps, no tensors.
+    """
+    if not sh.causal and sh.window is None:
+        return float(sh.lq * sh.s)
+    # keys are stored at positions 0..S-1 except for a rolling cache, whose S keys end at
+    # the last query: shift positions so that the last query sits at S - 1
+    shift = min(0, sh.s - (sh.q_offset + sh.lq))
+    total = 0.0
+    for q0 in range(0, sh.lq, block_q):
+        q1 = min(sh.lq, q0 + block_q)
+        first, last = sh.q_offset + q0 + shift, sh.q_offset + q1 - 1 + shift
+        lo = max(0, first - sh.window + 1) if sh.window is not None else 0
+        hi = min(last, sh.s - 1)
+        if lo > hi:
+            continue
+        k0 = (lo // block_k) * block_k
+        k1 = min(sh.s, (hi // block_k + 1) * block_k)
+        total += (q1 - q0) * (k1 - k0)
+    return total
 
 
 def _layer_saved(
@@ -654,7 +699,16 @@ def estimate(
         masked = spec.causal or spec.window is not None or spec.pattern_density is not None
     if stored != context:
         density *= context / stored  # the same attended pairs, over the keys returned
-    self_shape = _Shape(b=batch_size, lq=lq, s=stored, density=density)
+    self_shape = _Shape(
+        b=batch_size,
+        lq=lq,
+        s=stored,
+        density=density,
+        causal=spec.causal or spec.window is not None,
+        window=spec.window,
+        q_offset=q_offset,
+        structured=mask is None and spec.pattern_density is None,
+    )
     # backends that skip work skip it on the executed keys of a sliding cache too
     by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}
     fwd_mm = 0.0
@@ -675,7 +729,9 @@ def estimate(
         enc_shape = _Shape(b=batch_size, lq=seq_len, s=seq_len, density=1.0)
         if not decode:
             add_layers(spec.num_layers, enc_shape, None)
-            dec_self = _Shape(b=batch_size, lq=tgt, s=tgt, density=_causal_density(tgt, tgt, 0))
+            dec_self = _Shape(
+                b=batch_size, lq=tgt, s=tgt, density=_causal_density(tgt, tgt, 0), causal=True
+            )
         else:
             dec_self = self_shape
         # the encoder output is projected once per sequence (cached while decoding)
