@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.analysis.diagnostics import attention_head_stats
+from attnlab.analysis.attention_stats import attention_head_stats
 from attnlab.analysis.scaling import scaling_table
 from attnlab.viz.heatmap import save_png
 from attnlab.viz.plots import cost_vs_length_figure, head_stat_figure

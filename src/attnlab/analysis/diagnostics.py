@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab.analysis.attention_stats import HeadStats, attention_head_stats
+
 __all__ = [
     "DiagnosisReport",
     "HeadStats",
@@ -70,35 +72,6 @@ class Issue:
 
     def __str__(self) -> str:
         return f"[{self.kind}] {self.where}: {self.message}\n    fix: {self.fix}"
-
-
-@dataclass
-class HeadStats:
-    """Attention statistics of one head of one layer, over the batch.
-
-    Attributes:
-        layer: layer index (order of the attention modules in the forward pass).
-        module: the attention module's name.
-        head: head index.
-        row_sum_error: largest ``|sum_j w_ij - 1|`` over rows that are not fully masked.
-        entropy: mean row entropy (nats) over rows that are not fully masked.
-        max_weight: mean of each row's largest weight.
-        first_token_share: mean weight on key 0 (an attention sink when large).
-        fully_masked_rows: rows whose weights are all zero (every key masked).
-        rows: rows seen (batch x queries).
-        mean_distance: mean ``|i - j|`` weighted by attention (self-attention only).
-    """
-
-    layer: int
-    module: str
-    head: int
-    row_sum_error: float
-    entropy: float
-    max_weight: float
-    first_token_share: float
-    fully_masked_rows: int
-    rows: int
-    mean_distance: float
 
 
 @dataclass
@@ -290,56 +263,6 @@ class NonFiniteWatch:
             self.first_outputs = [tensor_stats(t) for t in _tensors(output)]
 
         return hook
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def attention_head_stats(weights: Tensor, *, layer: int = 0, module: str = "") -> list[HeadStats]:
-    """Statistics of each head of one layer's weights ``[B, H, L, S]`` (or ``[H, L, S]``).
-
-    Raises:
-        ValueError: weights that are not 3-D or 4-D.
-    """
-    if weights.dim() == 3:
-        weights = weights.unsqueeze(0)
-    if weights.dim() != 4:
-        raise ValueError(f"weights must be [B, H, L, S] or [H, L, S], got {tuple(weights.shape)}")
-    w = weights.detach().double()  # [B, H, L, S]
-    b, h, lq, s = w.shape
-    sums = w.sum(-1)  # [B, H, L]
-    masked = sums == 0
-    live = ~masked
-    err = (sums - 1).abs().masked_fill(masked, 0.0)
-    ent = -(w * torch.where(w > 0, w.log(), torch.zeros_like(w))).sum(-1)
-    best = w.amax(-1)
-    first = w[..., 0]
-    qpos = torch.arange(lq, dtype=w.dtype).view(-1, 1) + (s - lq)  # bottom-right aligned
-    dist = (qpos - torch.arange(s, dtype=w.dtype).view(1, -1)).abs()
-    mean_dist = (w * dist).sum(-1)
-    out: list[HeadStats] = []
-    for head in range(h):
-        lv = live[:, head]
-        n_live = int(lv.sum())
-
-        def mean(x: Tensor, lv: Tensor = lv, n_live: int = n_live) -> float:
-            return float(x[lv].sum() / n_live) if n_live else 0.0
-
-        out.append(
-            HeadStats(
-                layer=layer,
-                module=module,
-                head=head,
-                row_sum_error=float(err[:, head].max()) if err.numel() else 0.0,
-                entropy=mean(ent[:, head]),
-                max_weight=mean(best[:, head]),
-                first_token_share=mean(first[:, head]),
-                fully_masked_rows=int(masked[:, head].sum()),
-                rows=b * lq,
-                mean_distance=mean(mean_dist[:, head]),
-            )
-        )
-    return out
 
 
 # --------------------------------------------------------------------------- input checks

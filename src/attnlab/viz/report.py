@@ -57,7 +57,7 @@ def write_attention_pictures(
     Raises:
         ValueError: no layers, or weights that do not match the tokens.
     """
-    from attnlab.analysis.diagnostics import attention_head_stats
+    from attnlab.analysis.attention_stats import attention_head_stats
     from attnlab.viz.explorer import write_explorer
     from attnlab.viz.heatmap import heads_grid_figure, heatmap_figure, save_png
     from attnlab.viz.plots import head_stat_figure
