@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.functional._checks import check_tensor
@@ -106,22 +105,6 @@ class MultiHeadAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)  # [b, n_h, s, h_d]
 
-    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q/k/v projections; one fused matmul when all three read the same input.
-
-        The fused weight is concatenated on each call (a copy of the weights, small next
-        to the matmul) so that the parameters stay three separate, loadable Linears.
-        """
-        if query is key is value:
-            lins = (self.q_proj, self.k_proj, self.v_proj)
-            weight = torch.cat(tuple(lin.weight for lin in lins))
-            # The constructor gives all three a bias or none.
-            bias = torch.cat(tuple(lin.bias for lin in lins)) if lins[0].bias is not None else None
-            sizes = [lin.out_features for lin in lins]
-            q, k, v = F.linear(query, weight, bias).split(sizes, dim=-1)
-            return q, k, v
-        return self.q_proj(query), self.k_proj(key), self.v_proj(value)
-
     def forward(
         self,
         query: Tensor,
@@ -188,10 +171,9 @@ class MultiHeadAttention(nn.Module):
                 mask = attn_mask.to_dense(query.shape[1], s, device=query.device)
                 mask = combine(mask, pad)
 
-        q_lin, k_lin, v_lin = self._project(query, key, value)
-        q = self._split(q_lin, self.num_heads)  # [b, H, L, h_d]
-        k = self._split(k_lin, self.num_kv_heads)  # [b, H_kv, S, h_d]
-        v = self._split(v_lin, self.num_kv_heads)  # [b, H_kv, S, h_d]
+        q = self._split(self.q_proj(query), self.num_heads)  # [b, H, L, h_d]
+        k = self._split(self.k_proj(key), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
         result = scaled_dot_product_attention(
             q,
             k,
