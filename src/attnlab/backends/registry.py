@@ -40,6 +40,7 @@ class AttentionCall:
     enable_gqa: bool
     needs_grad: bool
     return_weights: bool
+    mask_needs_grad: bool = False
 
     @classmethod
     def from_inputs(
@@ -76,6 +77,11 @@ class AttentionCall:
             enable_gqa=enable_gqa,
             needs_grad=bool(needs_grad),
             return_weights=return_weights,
+            mask_needs_grad=bool(
+                isinstance(attn_mask, Tensor)
+                and attn_mask.requires_grad
+                and torch.is_grad_enabled()
+            ),
         )
 
 
