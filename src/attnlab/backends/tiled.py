@@ -47,7 +47,7 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "tiled_attention", "tiled_forward"]
 #: one tile's scores take ``N * H * BLOCK_Q * BLOCK_K`` floats.
 BLOCK_Q = 256
 #: Keys per block.
-BLOCK_K = 512
+BLOCK_K = 256
 
 
 def _tile_lists(spec: MaskSpec, block_q: int, block_k: int, device: torch.device) -> list[list[tuple[int, bool]]]:
