@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.blocks import flatten_batch, mask_spec, weights_from_lse
+from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.masks import MaskPattern
 
@@ -223,12 +224,24 @@ def _check(call: AttentionCall) -> str | None:
     return None
 
 
+def _cost(call: AttentionCall) -> Estimate | None:
+    est = estimate("flex", call, computed_pairs(call, BLOCK_SIZE, BLOCK_SIZE))
+    if est is None or is_compiled(call):
+        return est
+    return Estimate(
+        est.seconds + COMPILE_SECONDS,
+        f"not compiled for this shape yet, first call costs ~{COMPILE_SECONDS:.0f} s "
+        f"(then {est.note})",
+    )
+
+
 FLEX = register(
     Backend(
         name="flex",
         fn=flex_attention,
         check=_check,
         accepts_patterns=True,
+        cost=_cost,
         priority=20,
         description="torch's FlexAttention, compiled, with the pattern's block mask",
     )

@@ -37,6 +37,7 @@ from attnlab.backends.blocks import (
     pattern_allowed,
     weights_from_lse,
 )
+from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern, full
@@ -176,12 +177,17 @@ def _check(call: AttentionCall) -> str | None:
     return None
 
 
+def _cost(call: AttentionCall) -> Estimate | None:
+    return estimate("sparse", call, computed_pairs(call, BLOCK, BLOCK))
+
+
 SPARSE = register(
     Backend(
         name="sparse",
         fn=sparse_attention,
         check=_check,
         accepts_patterns=True,
+        cost=_cost,
         priority=40,
         description="gathers only the key blocks a pattern needs: time and memory ~ L*w",
     )

@@ -37,6 +37,7 @@ from attnlab.backends.blocks import (
     masked_scores,
     weights_from_lse,
 )
+from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern
@@ -245,12 +246,17 @@ def _check(call: AttentionCall) -> str | None:
     return None
 
 
+def _cost(call: AttentionCall) -> Estimate | None:
+    return estimate("tiled", call, computed_pairs(call, BLOCK_Q, BLOCK_K))
+
+
 TILED = register(
     Backend(
         name="tiled",
         fn=tiled_attention,
         check=_check,
         accepts_patterns=True,
+        cost=_cost,
         priority=30,
         description="FlashAttention-2 tiles with an online softmax; skips masked-out tiles",
     )
