@@ -611,7 +611,9 @@ class Dilated(MaskPattern):
         reach = self.window * self.dilation
         any_, all_ = _window_tiles(r, reach, 0 if self.causal else reach)
         if self.dilation > 1:  # a tile wider than one position always holds a skipped key
-            all_ = all_ & (r.q_last == r.q_first) & (r.k_last == r.k_first)
+            single = (r.q_last == r.q_first) & (r.k_last == r.k_first)
+            on_grid = (r.q_first - r.k_first).remainder(self.dilation) == 0
+            all_ = all_ & single & on_grid
         return any_, all_
 
     def __repr__(self) -> str:
