@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -75,7 +74,9 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
 
     def call() -> torch.Tensor:
         if backend == "torch":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, is_causal=mask == "causal")
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, is_causal=mask == "causal"
+            )
         out = scaled_dot_product_attention(
             q, k, v, attn_mask=pattern, is_causal=mask == "causal", backend=backend
         )
@@ -181,7 +182,11 @@ def full_run(lengths: list[int], backends: list[str], out_json: Path, timeout: f
                 for backend in backends:
                     why = skip_reason(backend, mask, L, bwd)
                     cell = {"backend": backend, "mask": mask, "L": L, "bwd": bwd}
-                    cell.update({"skipped": why} if why else _subprocess_cell(backend, mask, L, bwd, timeout))
+                    cell.update(
+                        {"skipped": why}
+                        if why
+                        else _subprocess_cell(backend, mask, L, bwd, timeout)
+                    )
                     results["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
                     out_json.write_text(json.dumps(results, indent=1))
@@ -207,7 +212,11 @@ def report(results: dict) -> str:
             if not sel:
                 continue
             lengths = sorted({c["L"] for c in sel})
-            peer = "torch sdpa is_causal" if mask == "causal" else f"torch sdpa + dense bool window mask (w={WINDOW})"
+            peer = (
+                "torch sdpa is_causal"
+                if mask == "causal"
+                else f"torch sdpa + dense bool window mask (w={WINDOW})"
+            )
             title = "dense causal" if mask == "causal" else f"sliding window w={WINDOW}"
             lines += ["", f"### {title}, {'forward + backward' if bwd else 'forward'}", ""]
             lines += [f"Time in ms (ratio to {peer}); GFLOP/s = useful FLOPs / time.", ""]
@@ -233,16 +242,25 @@ def report(results: dict) -> str:
                         row.append(txt)
                 lines.append("| " + " | ".join(row) + " |")
             if not bwd:
-                lines += ["", "Peak extra memory (MiB; `VmHWM` after a reset, fresh process per cell):", ""]
+                lines += [
+                    "",
+                    "Peak extra memory (MiB; `VmHWM` after a reset, fresh process per cell):",
+                    "",
+                ]
                 lines += ["| backend | " + " | ".join(str(L) for L in lengths) + " |"]
                 lines += ["|---" * (len(lengths) + 1) + "|"]
                 for b in backends:
                     row = [b if b != "torch" else "torch (peer)"]
                     for L in lengths:
                         c = by.get((b, L))
-                        row.append(f"{c['peak_bytes'] / 2**20:.0f}" if c and "peak_bytes" in c else "—")
+                        row.append(
+                            f"{c['peak_bytes'] / 2**20:.0f}" if c and "peak_bytes" in c else "—"
+                        )
                     lines.append("| " + " | ".join(row) + " |")
-    head = [f"fp32 matmul (4096³) on this machine: **{mm:.0f} GFLOP/s**, the limit to compare with.", ""]
+    head = [
+        f"fp32 matmul (4096³) on this machine: **{mm:.0f} GFLOP/s**, the limit to compare with.",
+        "",
+    ]
     return "\n".join(head + lines) + "\n"
 
 
@@ -255,17 +273,28 @@ def plot(results: dict, path: Path) -> None:
     cells = [c for c in results["cells"] if "seconds" in c]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, (mask, bwd, what) in zip(
-        axes, [("causal", False, "seconds"), ("window", False, "seconds"), ("window", False, "peak_bytes")]
+        axes,
+        [
+            ("causal", False, "seconds"),
+            ("window", False, "seconds"),
+            ("window", False, "peak_bytes"),
+        ],
     ):
         for b in BACKENDS:
-            pts = sorted((c["L"], c[what]) for c in cells if c["backend"] == b and c["mask"] == mask and c["bwd"] == bwd)
+            pts = sorted(
+                (c["L"], c[what])
+                for c in cells
+                if c["backend"] == b and c["mask"] == mask and c["bwd"] == bwd
+            )
             if pts:
                 xs, ys = zip(*pts)
                 ys = [y * 1e3 if what == "seconds" else y / 2**20 for y in ys]
                 ax.loglog(xs, ys, marker="o", label=b if b != "torch" else "torch sdpa (peer)")
         ax.set_xlabel("sequence length")
         ax.set_ylabel("ms" if what == "seconds" else "peak extra MiB")
-        ax.set_title(f"{mask}, {'fwd+bwd' if bwd else 'fwd'}: {'time' if what == 'seconds' else 'memory'}")
+        ax.set_title(
+            f"{mask}, {'fwd+bwd' if bwd else 'fwd'}: {'time' if what == 'seconds' else 'memory'}"
+        )
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -277,7 +306,9 @@ def write_section(text: str, md: Path) -> None:
     start = doc.index(SECTION) + len(SECTION)
     nxt = doc.find("\n## ", start)
     end = len(doc) if nxt < 0 else nxt + 1
-    md.write_text(doc[:start] + "\n\n" + text.strip() + "\n" + ("\n" if nxt >= 0 else "") + doc[end:])
+    md.write_text(
+        doc[:start] + "\n\n" + text.strip() + "\n" + ("\n" if nxt >= 0 else "") + doc[end:]
+    )
 
 
 # ------------------------------------------------------------------- calibrate
@@ -294,7 +325,11 @@ def calibrate() -> None:
     from attnlab.backends.tiled import BLOCK_K, BLOCK_Q
     from attnlab.functional import masks
 
-    blocks = {"tiled": (BLOCK_Q, BLOCK_K), "sparse": (BLOCK, BLOCK), "flex": (BLOCK_SIZE, BLOCK_SIZE)}
+    blocks = {
+        "tiled": (BLOCK_Q, BLOCK_K),
+        "sparse": (BLOCK, BLOCK),
+        "flex": (BLOCK_SIZE, BLOCK_SIZE),
+    }
     table: dict[str, dict[str, tuple[float, float]]] = {}
     for backend in ["reference", "sdpa", "tiled", "sparse", "flex"]:
         table[backend] = {}
@@ -312,8 +347,14 @@ def calibrate() -> None:
                     pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
                     x = torch.zeros(1, HEADS, L, HEAD_DIM)
                     call = AttentionCall.from_inputs(
-                        x, x, x, pattern, dropout_p=0.0, is_causal=mask == "causal",
-                        enable_gqa=False, return_weights=False,
+                        x,
+                        x,
+                        x,
+                        pattern,
+                        dropout_p=0.0,
+                        is_causal=mask == "causal",
+                        enable_gqa=False,
+                        return_weights=False,
                     )
                     if backend in blocks:
                         pairs = computed_pairs(call, *blocks[backend])
@@ -322,7 +363,10 @@ def calibrate() -> None:
                     else:
                         pairs = L * L
                     pts.append((units(call, pairs), r["seconds"]))
-                    print(f"# {backend} {mask} L={L} bwd={bwd}: {r['seconds'] * 1e3:.1f} ms", file=sys.stderr)
+                    print(
+                        f"# {backend} {mask} L={L} bwd={bwd}: {r['seconds'] * 1e3:.1f} ms",
+                        file=sys.stderr,
+                    )
             # least squares through the points, overhead clamped at >= 0
             n = len(pts)
             mx = sum(p[0] for p in pts) / n
@@ -347,7 +391,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/")
     ap.add_argument("--from-json", type=Path, help="only rebuild the report from a saved run")
-    ap.add_argument("--cell", nargs=4, metavar=("BACKEND", "MASK", "L", "BWD"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--cell", nargs=4, metavar=("BACKEND", "MASK", "L", "BWD"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.cell:
         b, m, L, bwd = args.cell

@@ -19,7 +19,10 @@ def _view(*shape: int) -> torch.Tensor:
 
 
 @settings(
-    max_examples=60, deadline=None, derandomize=True, database=None,
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(
@@ -93,10 +96,19 @@ def test_flex_chosen_once_compiled_if_cheapest(monkeypatch: pytest.MonkeyPatch) 
     estimates = {
         name: backends.get(name).cost(call)  # type: ignore[misc]
         for name, call in [
-            (n, backends.AttentionCall.from_inputs(
-                x, x, x, M.sliding_window(255), dropout_p=0.0, is_causal=False,
-                enable_gqa=False, return_weights=False,
-            ))
+            (
+                n,
+                backends.AttentionCall.from_inputs(
+                    x,
+                    x,
+                    x,
+                    M.sliding_window(255),
+                    dropout_p=0.0,
+                    is_causal=False,
+                    enable_gqa=False,
+                    return_weights=False,
+                ),
+            )
             for n in ("tiled", "sparse", "flex", "sdpa", "reference")
         ]
     }
@@ -112,7 +124,7 @@ def test_use_sets_the_backend_for_auto_only() -> None:
         assert explain(x, x, x, backend="reference").chosen == "reference"
         with use("auto"):
             assert explain(x, x, x).chosen == free_choice
-    with use("sparse"), pytest.raises(ValueError, match="sparse.*dense mask"):
+    with use("sparse"), pytest.raises(ValueError, match=r"sparse.*dense mask"):
         scaled_dot_product_attention(x, x, x, torch.ones(8, 8, dtype=torch.bool))
 
 

@@ -19,6 +19,7 @@ from attnlab.backends.tiled import tiled_attention
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
 
+
 def budget(n: int) -> settings:
     """Hypothesis settings: ``n`` derandomized examples, no deadline (CPU time varies)."""
     return settings(
@@ -28,6 +29,8 @@ def budget(n: int) -> settings:
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+
+
 TOL = {
     torch.float64: {"atol": 1e-10, "rtol": 1e-8},
     torch.float32: {"atol": 2e-5, "rtol": 1e-4},
@@ -53,7 +56,17 @@ def _documents(draw: st.DrawFn, n: int, batch: int | None) -> M.MaskPattern:
 def base_patterns(draw: st.DrawFn, n: int, batch: int) -> M.MaskPattern:
     kind = draw(
         st.sampled_from(
-            ["causal", "full", "window", "global", "dilated", "document", "document_b", "prefix", "padding"]
+            [
+                "causal",
+                "full",
+                "window",
+                "global",
+                "dilated",
+                "document",
+                "document_b",
+                "prefix",
+                "padding",
+            ]
         )
     )
     if kind == "causal":
@@ -65,14 +78,18 @@ def base_patterns(draw: st.DrawFn, n: int, batch: int) -> M.MaskPattern:
     if kind == "global":
         return M.global_tokens(draw(st.lists(st.integers(0, n + 2), min_size=1, max_size=3)))
     if kind == "dilated":
-        return M.dilated(draw(st.integers(0, 4)), draw(st.integers(1, 3)), causal=draw(st.booleans()))
+        return M.dilated(
+            draw(st.integers(0, 4)), draw(st.integers(1, 3)), causal=draw(st.booleans())
+        )
     if kind == "document":
         return _documents(draw, n, None)
     if kind == "document_b":
         return _documents(draw, n, batch)
     if kind == "prefix":
         return M.prefix_lm(draw(st.integers(0, n)))
-    keep = draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=batch, max_size=batch))
+    keep = draw(
+        st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=batch, max_size=batch)
+    )
     return M.padding(torch.tensor(keep, dtype=torch.long))
 
 
@@ -164,8 +181,16 @@ def test_tiled_equals_reference_on_patterns(case: dict) -> None:
     _compare(
         case,
         lambda q, k, v: tiled_attention(
-            q, k, v, case["mask"], 0.0, case["is_causal"], case["scale"], True,
-            block_q=case["block_q"], block_k=case["block_k"],
+            q,
+            k,
+            v,
+            case["mask"],
+            0.0,
+            case["is_causal"],
+            case["scale"],
+            True,
+            block_q=case["block_q"],
+            block_k=case["block_k"],
         )[0],
     )
 
@@ -176,8 +201,16 @@ def test_tiled_equals_reference_on_dense_masks(case: dict) -> None:
     _compare(
         case,
         lambda q, k, v: tiled_attention(
-            q, k, v, case["mask"], 0.0, case["is_causal"], case["scale"], True,
-            block_q=case["block_q"], block_k=case["block_k"],
+            q,
+            k,
+            v,
+            case["mask"],
+            0.0,
+            case["is_causal"],
+            case["scale"],
+            True,
+            block_q=case["block_q"],
+            block_k=case["block_k"],
         )[0],
     )
 
@@ -188,7 +221,14 @@ def test_sparse_equals_reference(case: dict) -> None:
     _compare(
         case,
         lambda q, k, v: sparse_attention(
-            q, k, v, case["mask"], 0.0, case["is_causal"], case["scale"], True,
+            q,
+            k,
+            v,
+            case["mask"],
+            0.0,
+            case["is_causal"],
+            case["scale"],
+            True,
             block=case["block_k"],
         )[0],
     )
@@ -200,8 +240,14 @@ def test_bfloat16_within_looser_tolerance(case: dict, backend: str) -> None:
     """bfloat16 inputs: softmax in float32, compared with the float32 reference."""
     q, k, v = _inputs(case, torch.bfloat16)
     out = scaled_dot_product_attention(
-        q, k, v, case["mask"], is_causal=case["is_causal"], scale=case["scale"],
-        enable_gqa=True, backend=backend,
+        q,
+        k,
+        v,
+        case["mask"],
+        is_causal=case["is_causal"],
+        scale=case["scale"],
+        enable_gqa=True,
+        backend=backend,
     )
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
     ref = _reference(case, *(t.detach().float() for t in (q, k, v)))
@@ -213,13 +259,26 @@ def test_bfloat16_within_looser_tolerance(case: dict, backend: str) -> None:
 def test_weights_recomputed_from_lse(case: dict, backend: str) -> None:
     q, k, v = (t.detach() for t in _inputs(case))
     out, w = scaled_dot_product_attention(
-        q, k, v, case["mask"], is_causal=case["is_causal"], scale=case["scale"],
-        enable_gqa=True, backend=backend, return_weights=True,
+        q,
+        k,
+        v,
+        case["mask"],
+        is_causal=case["is_causal"],
+        scale=case["scale"],
+        enable_gqa=True,
+        backend=backend,
+        return_weights=True,
     )
     mask = case["mask"]
     dense = mask.to_dense(q.shape[-2], k.shape[-2]) if isinstance(mask, M.MaskPattern) else mask
     ref, ref_w = sdpa_reference(
-        q, k, v, dense, is_causal=case["is_causal"], scale=case["scale"], enable_gqa=True,
+        q,
+        k,
+        v,
+        dense,
+        is_causal=case["is_causal"],
+        scale=case["scale"],
+        enable_gqa=True,
         return_weights=True,
     )
     torch.testing.assert_close(out, ref, **TOL[q.dtype])

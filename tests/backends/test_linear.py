@@ -28,8 +28,16 @@ from attnlab.functional.linear_attention import linear_attention_reference
     seed=st.integers(0, 2**16),
 )
 def test_equals_quadratic_form(
-    batch: int, h_kv: int, rep: int, L: int, S: int, causal: bool, padded: bool,
-    chunk: int, scale: float | None, seed: int,
+    batch: int,
+    h_kv: int,
+    rep: int,
+    L: int,
+    S: int,
+    causal: bool,
+    padded: bool,
+    chunk: int,
+    scale: float | None,
+    seed: int,
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, h_kv * rep, L, 8, dtype=torch.float64, generator=g, requires_grad=True)

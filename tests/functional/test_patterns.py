@@ -22,7 +22,11 @@ def _docs(n: int, cut: list[int]) -> list[int]:
 @st.composite
 def patterns(draw: st.DrawFn, n: int) -> M.MaskPattern:
     def base() -> M.MaskPattern:
-        kind = draw(st.sampled_from(["causal", "full", "window", "global", "dilated", "doc", "doc_b", "prefix", "pad"]))
+        kind = draw(
+            st.sampled_from(
+                ["causal", "full", "window", "global", "dilated", "doc", "doc_b", "prefix", "pad"]
+            )
+        )
         if kind == "causal":
             return M.causal()
         if kind == "full":
@@ -32,14 +36,22 @@ def patterns(draw: st.DrawFn, n: int) -> M.MaskPattern:
         if kind == "global":
             return M.global_tokens(draw(st.lists(st.integers(0, n + 3), min_size=1, max_size=4)))
         if kind == "dilated":
-            return M.dilated(draw(st.integers(0, 4)), draw(st.integers(1, 3)), causal=draw(st.booleans()))
+            return M.dilated(
+                draw(st.integers(0, 4)), draw(st.integers(1, 3)), causal=draw(st.booleans())
+            )
         if kind == "doc":
             return M.document(_docs(n, draw(st.lists(st.integers(1, n), max_size=4))))
         if kind == "doc_b":
-            return M.document(torch.tensor([_docs(n, draw(st.lists(st.integers(1, n), max_size=4))) for _ in range(2)]))
+            return M.document(
+                torch.tensor(
+                    [_docs(n, draw(st.lists(st.integers(1, n), max_size=4))) for _ in range(2)]
+                )
+            )
         if kind == "prefix":
             return M.prefix_lm(draw(st.integers(0, n)))
-        keep = draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=2, max_size=2))
+        keep = draw(
+            st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=2, max_size=2)
+        )
         return M.padding(torch.tensor(keep, dtype=torch.long))
 
     p = base()
@@ -49,8 +61,13 @@ def patterns(draw: st.DrawFn, n: int) -> M.MaskPattern:
     return p
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     data=st.data(),
     L=st.integers(1, 30),

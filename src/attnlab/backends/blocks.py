@@ -87,9 +87,7 @@ class MaskSpec:
         """True when nothing is masked."""
         return self.pattern is None and self.dense is None
 
-    def tiles(
-        self, block_q: int, block_k: int, device: torch.device
-    ) -> tuple[Tensor, Tensor]:
+    def tiles(self, block_q: int, block_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(needed, full)`` bool ``[nq, nk]`` on the CPU.
 
         ``needed`` tiles may hold an attended pair; ``full`` tiles are attended
@@ -113,7 +111,9 @@ class MaskSpec:
             needed = needed & ok.cpu()
         return needed, full
 
-    def tile_allowed(self, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> Tensor | None:
+    def tile_allowed(
+        self, q0: int, q1: int, k0: int, k1: int, device: torch.device
+    ) -> Tensor | None:
         """Bool mask of the tile ``[q0:q1, k0:k1]`` broadcasting to ``[N, H, q1-q0, k1-k0]``.
 
         ``None`` when the tile has no boolean constraint.
@@ -243,7 +243,10 @@ def weights_from_lse(
             scores = scores + d.to(scores.dtype)
     if spec.pattern is not None:
         allowed = pattern_allowed(
-            spec.pattern, r_idx.view(-1, 1), torch.arange(k.shape[2], device=dev).view(1, -1), spec.n
+            spec.pattern,
+            r_idx.view(-1, 1),
+            torch.arange(k.shape[2], device=dev).view(1, -1),
+            spec.n,
         )
         scores = scores.masked_fill(~allowed, float("-inf"))
     row_lse = lse[:, h_idx][:, :, r_idx]  # [N, h, r]

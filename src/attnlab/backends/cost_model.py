@@ -94,7 +94,9 @@ def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None
     overhead, per_unit = row["fwd_bwd" if call.needs_grad else "fwd"]
     seconds = overhead + units(call, pairs) * per_unit
     if call.return_weights:
-        seconds += units(call, call.query_shape[-2] * call.key_shape[-2]) * table["weights"]["fwd"][1]
+        seconds += (
+            units(call, call.query_shape[-2] * call.key_shape[-2]) * table["weights"]["fwd"][1]
+        )
     note = f"~{seconds * 1e3:.3g} ms for {pairs / max(1, call.query_shape[-2] * call.key_shape[-2]):.0%} of the pairs"
     if call.device.type not in cost_constants.CONSTANTS:
         note += f" (constants measured on cpu, not {call.device.type})"

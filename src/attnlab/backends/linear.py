@@ -76,7 +76,11 @@ def _key_mask(
     if isinstance(attn_mask, Padding):
         keep = attn_mask.keep.to(query.device)  # [B, S]
         return False, flatten_batch(keep[:, None, None, :])[:, :, 0]
-    if isinstance(attn_mask, Tensor) and attn_mask.dtype == torch.bool and attn_mask.shape[-2:-1] in ((), (1,)):
+    if (
+        isinstance(attn_mask, Tensor)
+        and attn_mask.dtype == torch.bool
+        and attn_mask.shape[-2:-1] in ((), (1,))
+    ):
         m = attn_mask.view((1,) * (query.dim() - attn_mask.dim()) + tuple(attn_mask.shape))
         m = m.expand(*query.shape[:-3], m.shape[-3], 1, kv_len)
         return False, flatten_batch(m)[:, :, 0]  # [N, H|1, S]

@@ -101,7 +101,11 @@ def _sparse_core(
         k_pos = (idx.unsqueeze(-1) * block + in_block).reshape(g1 - g0, 1, -1)  # [g, 1, K*b]
         allowed = pattern_allowed(spec.pattern, q_pos, k_pos, N) & (k_pos < S)  # [.., g, b, K*b]
         grad = torch.is_grad_enabled() and s.requires_grad
-        s = s.masked_fill(~allowed, float("-inf")) if grad else s.masked_fill_(~allowed, float("-inf"))
+        s = (
+            s.masked_fill(~allowed, float("-inf"))
+            if grad
+            else s.masked_fill_(~allowed, float("-inf"))
+        )
         m = s.amax(dim=-1, keepdim=True)
         m = m.masked_fill(torch.isneginf(m), 0.0).detach()
         e = torch.exp(s - m) if grad else s.sub_(m).exp_()  # unnormalised probabilities

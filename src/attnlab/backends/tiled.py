@@ -51,7 +51,9 @@ BLOCK_Q = 256
 BLOCK_K = 256
 
 
-def _tile_lists(spec: MaskSpec, block_q: int, block_k: int, device: torch.device) -> list[list[tuple[int, bool]]]:
+def _tile_lists(
+    spec: MaskSpec, block_q: int, block_k: int, device: torch.device
+) -> list[list[tuple[int, bool]]]:
     """For each query block, the key blocks to visit and whether each is fully attended."""
     needed, full = spec.tiles(block_q, block_k, device)
     out: list[list[tuple[int, bool]]] = []
