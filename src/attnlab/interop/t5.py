@@ -1,0 +1,1 @@
+"""T5 converter: filled in below."""
