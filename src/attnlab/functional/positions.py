@@ -120,11 +120,14 @@ def rope_inv_freq(
         raise ValueError(f"RoPE scaling {rope_type!r} needs factor >= 1, got {factor!r}")
     original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
     if rope_type == "linear":
+        assert factor is not None
         return _base_inv_freq(dim, base) / factor, 1.0
     if rope_type == "dynamic":
         n = max(seq_len or max_position_embeddings, max_position_embeddings)
         assert factor is not None
-        new_base = base * ((factor * n / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        new_base = base * ((factor * n / max_position_embeddings) - (factor - 1)) ** (
+            dim / (dim - 2)
+        )
         return _base_inv_freq(dim, new_base), 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(dim, base, params, original), 1.0
@@ -133,7 +136,11 @@ def rope_inv_freq(
 
 def _llama3_inv_freq(dim: int, base: float, p: Mapping[str, Any], original: int) -> Tensor:
     try:
-        factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        factor, low, high = (
+            float(p["factor"]),
+            float(p["low_freq_factor"]),
+            float(p["high_freq_factor"]),
+        )
     except KeyError as e:
         raise ValueError(f"llama3 RoPE scaling needs {e.args[0]!r}; got {dict(p)}") from None
     inv_freq = _base_inv_freq(dim, base)
@@ -160,7 +167,9 @@ def _yarn_inv_freq(
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
     beta_fast = p.get("beta_fast") or 32
     beta_slow = p.get("beta_slow") or 1
 

@@ -39,7 +39,11 @@ def _check_inputs(
             f"input_ids must be a non-empty integer (batch, prompt_len) tensor, got "
             f"{input_ids.dtype} {tuple(input_ids.shape)}"
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if attention_mask is not None:
         check_tensor("attention_mask", attention_mask)
@@ -122,7 +126,7 @@ def stream(
 
     needed = p + max_new_tokens
     if cache is None:
-        cache = model.new_cache(max_length=needed)
+        cache = model.new_cache(max_length=needed)  # type: ignore[operator]
     else:
         _check_cache_room(cache, needed)
     full_mask: Tensor | None = None

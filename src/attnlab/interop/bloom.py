@@ -18,7 +18,9 @@ from attnlab.models.decoder_config import DecoderConfig
 
 def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
     if cfg.get("apply_residual_connection_post_layernorm"):
-        raise ValueError("BLOOM with apply_residual_connection_post_layernorm=True is not supported")
+        raise ValueError(
+            "BLOOM with apply_residual_connection_post_layernorm=True is not supported"
+        )
     if cfg.get("pretraining_tp", 1) > 1 and cfg.get("slow_but_exact"):
         raise ValueError("BLOOM with slow_but_exact tensor-parallel emulation is not supported")
     d = cfg.get("hidden_size") or cfg["n_embed"]
@@ -103,7 +105,9 @@ def weights_to_hf(weights: dict[str, Tensor], model: nn.Module) -> dict[str, Ten
             continue
         base = name[:-2]
         parts = [weights[f"{base}.{p}.{kind}"] for p in "qkv"]
-        stacked = torch.stack([t.reshape(h, hd, *t.shape[1:]) for t in parts], dim=1)  # [H,3,h_d,(D)]
+        stacked = torch.stack(
+            [t.reshape(h, hd, *t.shape[1:]) for t in parts], dim=1
+        )  # [H,3,h_d,(D)]
         out[f"{base}.{kind}"] = stacked.reshape(3 * h * hd, *parts[0].shape[1:])
     if model.lm_head is None:
         out["lm_head.weight"] = model.embed_tokens.weight.detach()

@@ -20,7 +20,11 @@ _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+    for flag in (
+        "scale_attn_by_inverse_layer_idx",
+        "reorder_and_upcast_attn",
+        "add_cross_attention",
+    ):
         if cfg.get(flag):
             raise ValueError(f"GPT-2 with {flag}=True is not supported")
     if cfg.get("scale_attn_weights", True) is False:
@@ -114,7 +118,11 @@ def weights_to_hf(weights: dict[str, Tensor], model: nn.Module) -> dict[str, Ten
 def to_hf_model(model: nn.Module) -> nn.Module:
     assert isinstance(model, DecoderLM)
     c = model.config
-    if c.num_key_value_heads != c.num_attention_heads or c.norm != "layernorm" or c.mlp != "standard":
+    if (
+        c.num_key_value_heads != c.num_attention_heads
+        or c.norm != "layernorm"
+        or c.mlp != "standard"
+    ):
         raise ValueError(
             "GPT-2 is multi-head attention with LayerNorm and a plain MLP; got "
             f"num_key_value_heads={c.num_key_value_heads}, norm={c.norm!r}, mlp={c.mlp!r}"

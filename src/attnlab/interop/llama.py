@@ -141,9 +141,7 @@ def llama_to_hf(model: nn.Module) -> nn.Module:
     c = model.config
     _check_convertible(c, "Llama")
     tf = require_transformers()
-    cfg = tf.LlamaConfig(
-        **_hf_kwargs(c), attention_bias=c.attention_bias, mlp_bias=c.mlp_bias
-    )
+    cfg = tf.LlamaConfig(**_hf_kwargs(c), attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
     return tf.LlamaForCausalLM(cfg)
 
 
@@ -166,8 +164,10 @@ def add_tied_head(weights: dict[str, Tensor], model: nn.Module) -> dict[str, Ten
     return weights
 
 
-def _rope_model(model: Any) -> bool:
-    return isinstance(model, DecoderLM) and model.config.position_embedding == "rope"
+def _rope_model(model: Any, *, windowed: bool) -> bool:
+    if not isinstance(model, DecoderLM) or model.config.position_embedding != "rope":
+        return False
+    return (model.config.sliding_window is not None) == windowed
 
 
 LLAMA = register_converter(
@@ -181,7 +181,7 @@ LLAMA = register_converter(
         to_hf_model=llama_to_hf,
         weights_from_hf=drop_tied_head,
         weights_to_hf=add_tied_head,
-        accepts=lambda m: _rope_model(m) and m.config.sliding_window is None,
+        accepts=lambda m: _rope_model(m, windowed=False),
     )
 )
 
@@ -196,6 +196,6 @@ MISTRAL = register_converter(
         to_hf_model=mistral_to_hf,
         weights_from_hf=drop_tied_head,
         weights_to_hf=add_tied_head,
-        accepts=lambda m: _rope_model(m) and m.config.sliding_window is not None,
+        accepts=lambda m: _rope_model(m, windowed=True),
     )
 )

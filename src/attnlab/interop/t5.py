@@ -23,7 +23,9 @@ def _feed_forward(proj: str) -> tuple[str, str]:
     gated = parts[0] == "gated"
     act = parts[-1]
     if len(parts) > 2 or (len(parts) == 2 and not gated):
-        raise ValueError(f"feed_forward_proj {proj!r} is not understood; expected 'relu' or 'gated-gelu'")
+        raise ValueError(
+            f"feed_forward_proj {proj!r} is not understood; expected 'relu' or 'gated-gelu'"
+        )
     if act == "gelu" and gated:
         act = "gelu_new"  # transformers maps "gated-gelu" to the tanh approximation
     return ("gated" if gated else "standard"), act

@@ -128,7 +128,9 @@ class DecoderLM(nn.Module):
             self.embed_positions = SinusoidalPositionalEmbedding(
                 num_positions=config.max_position_embeddings, embed_dim=d
             )
-        self.embed_norm = make_norm(config.norm, d, config.norm_eps) if config.embedding_norm else None
+        self.embed_norm = (
+            make_norm(config.norm, d, config.norm_eps) if config.embedding_norm else None
+        )
         self.rotary: RotaryEmbedding | None = None
         self.alibi: ALiBi | None = None
         if config.position_embedding == "rope":
@@ -171,9 +173,7 @@ class DecoderLM(nn.Module):
         """
         window = self.config.sliding_window
         if kind == "static":
-            return ModelCache.build(
-                len(self.layers), lambda: StaticKVCache(max_length=max_length)
-            )
+            return ModelCache.build(len(self.layers), lambda: StaticKVCache(max_length=max_length))
         if kind != "dynamic":
             raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
         if window is not None:
@@ -340,7 +340,12 @@ class DecoderLM(nn.Module):
         return torch.arange(start, start + n, device=device)[None]  # [1, L]
 
     def _self_mask(
-        self, cache: ModelCache | None, mask: Tensor | None, start: int, n: int, device: torch.device
+        self,
+        cache: ModelCache | None,
+        mask: Tensor | None,
+        start: int,
+        n: int,
+        device: torch.device,
     ) -> tuple[Tensor | None, bool, Tensor | None]:
         """``(attn_mask, is_causal, key slots or None)`` shared by all layers."""
         window = self.config.sliding_window

@@ -120,9 +120,7 @@ class DecoderConfig:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
         if self.hidden_act not in activation_names():
-            raise ValueError(
-                f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}"
-            )
+            raise ValueError(f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.rope_scaling is not None:

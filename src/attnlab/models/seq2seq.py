@@ -228,7 +228,9 @@ class Seq2SeqLM(nn.Module):
         if encoder_outputs is None:
             if input_ids is None:
                 raise ValueError("pass input_ids or encoder_outputs")
-            encoder_outputs, enc_weights = self._encode(input_ids, attention_mask, output_attentions)
+            encoder_outputs, enc_weights = self._encode(
+                input_ids, attention_mask, output_attentions
+            )
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids is required")
         b, n = decoder_input_ids.shape[0], decoder_input_ids.shape[-1]
@@ -247,7 +249,7 @@ class Seq2SeqLM(nn.Module):
         x = self._embed(decoder_input_ids, positions)
         self_mask: Tensor | None = None
         is_causal = False
-        if decoder_attention_mask is not None or start > 0 and n > 1:
+        if decoder_attention_mask is not None or (start > 0 and n > 1):
             if decoder_attention_mask is not None and tuple(decoder_attention_mask.shape) != (
                 b,
                 start + n,
@@ -267,7 +269,9 @@ class Seq2SeqLM(nn.Module):
         cross_w: list[Tensor] = []
         layer_caches: Iterator[Any] = iter(cache.layers) if cache else iter([None] * n_layers(self))
         cross_caches: Iterator[Any] = (
-            iter(cache.cross) if cache is not None and cache.cross else iter([None] * n_layers(self))
+            iter(cache.cross)
+            if cache is not None and cache.cross
+            else iter([None] * n_layers(self))
         )
         for layer, lc, cc in zip(self.decoder_layers, layer_caches, cross_caches):
             x, sw, cw = layer(

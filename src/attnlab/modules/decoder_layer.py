@@ -119,7 +119,9 @@ class DecoderLayer(nn.Module):
         cross_w = None
         if self.cross_attention is not None:
             cross = self.cross_attention
-            if encoder_hidden_states is None and not (cross_cache is not None and cross_cache.filled):
+            if encoder_hidden_states is None and not (
+                cross_cache is not None and cross_cache.filled
+            ):
                 raise ValueError("a decoder layer with cross-attention needs encoder_hidden_states")
 
             def cross_attn(h: Tensor) -> tuple[Tensor, Tensor | None]:

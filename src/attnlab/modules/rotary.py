@@ -103,5 +103,3 @@ class RotaryEmbedding(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
         self._memo = None
         return super()._apply(fn, recurse)  # type: ignore[return-value]
-
-
