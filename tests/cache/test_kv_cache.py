@@ -23,10 +23,10 @@ def kv(n: int, b: int = 2, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_static_cache_writes_in_place_and_keeps_its_shape() -> None:
     c = StaticKVCache(max_length=8)
-    k, v = c.update(*kv(3), start=0)
+    k, _v = c.update(*kv(3), start=0)
     assert k.shape == (2, 2, 8, 4)
     ptr = k.data_ptr()
-    k2, v2 = c.update(*kv(1, start=3), start=3)
+    k2, _v2 = c.update(*kv(1, start=3), start=3)
     assert k2.shape == (2, 2, 8, 4) and k2.data_ptr() == ptr
     assert k2[0, 0, :4, 0].tolist() == [0, 1, 2, 3]
     assert c.length == 4
