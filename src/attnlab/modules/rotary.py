@@ -101,5 +101,9 @@ class RotaryEmbedding(nn.Module):
         self._memo = None
 
     def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        # Moving the model to half precision must not round the frequencies: keep float32.
         self._memo = None
-        return super()._apply(fn, recurse)  # type: ignore[return-value]
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return self
