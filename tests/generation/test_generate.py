@@ -108,18 +108,18 @@ def test_encoder_decoder_generation_equals_uncached_argmax() -> None:
 
 def test_bad_input_raises_clear_errors(llama: DecoderLM) -> None:
     ids, mask = prompts()
-    with pytest.raises(ValueError, match="33 tokens.*max_position_embeddings=32"):
+    with pytest.raises(ValueError, match=r"33 tokens.*max_position_embeddings=32"):
         generate(llama, torch.ones(1, 33, dtype=torch.long), 1)
-    with pytest.raises(ValueError, match="batch sizes differ.*3.*2"):
+    with pytest.raises(ValueError, match=r"batch sizes differ.*3.*2"):
         generate(llama, ids, 2, attention_mask=mask[:2])
-    with pytest.raises(ValueError, match="top_p must be in \\(0, 1\\], got 1.5"):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         generate(llama, ids, 2, do_sample=True, top_p=1.5)
     with pytest.raises(ValueError, match="top_p"):
         generate(llama, ids, 2, do_sample=True, top_p=0.0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         generate(llama, ids, 2, do_sample=True, temperature=0.0)
     small = llama.new_cache(kind="static", max_length=8)
-    with pytest.raises(ValueError, match="cache too small.*10 slots"):
+    with pytest.raises(ValueError, match=r"cache too small.*10 slots"):
         generate(llama, ids, 4, cache=small)
     gpt2 = DecoderLM(DecoderConfig.gpt2(**(TINY | {"num_key_value_heads": 4})))
     with pytest.raises(ValueError, match="exceeds the model's learned positions"):
