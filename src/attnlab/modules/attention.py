@@ -218,9 +218,7 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.k_proj(key), self.num_kv_heads)  # [b, H_kv, S, h_d]
         v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
         if (self.rotary is not None or self.score_bias is not None) and positions is None:
-            positions = torch.arange(
-                cache_start, cache_start + query.shape[1], device=query.device
-            )
+            positions = torch.arange(cache_start, cache_start + query.shape[1], device=query.device)
         if self.rotary is not None:
             assert positions is not None
             q = self.rotary(q, positions)
