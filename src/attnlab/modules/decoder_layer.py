@@ -65,11 +65,12 @@ class DecoderLayer(nn.Module):
 
     def _sublayer(self, x: Tensor, norm: nn.Module, fn: object) -> tuple[Tensor, Tensor | None]:
         assert callable(fn)
+        drop = self.dropout.p > 0 and self.training
         if self.norm_position == "pre":
             out, w = fn(norm(x))
-            return x + self.dropout(out), w
+            return x + (self.dropout(out) if drop else out), w
         out, w = fn(x)
-        return norm(x + self.dropout(out)), w
+        return norm(x + (self.dropout(out) if drop else out)), w
 
     def forward(
         self,
