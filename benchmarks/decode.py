@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,16 +33,15 @@ import torch
 import attnlab
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-VOCAB = 32000
 HEADING = "## Decoding (issue 3)"
 
 
-def build(max_positions: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build(max_positions: int, vocab: int = 32000) -> tuple[torch.nn.Module, torch.nn.Module]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
@@ -58,16 +58,18 @@ def build(max_positions: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     return hf, attnlab.from_hf(hf)
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[..., object], *args: object, **kwargs: object) -> float:
     t0 = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     return time.perf_counter() - t0
 
 
-def generation(hf: torch.nn.Module, ours: torch.nn.Module, *, new: int, repeats: int) -> list[str]:
-    rows = ["| batch | attnlab tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
+def generation(
+    hf: torch.nn.Module, ours: torch.nn.Module, *, vocab: int, new: int, repeats: int
+) -> list[str]:
+    rows = []
     for batch in (1, 8):
-        ids = torch.randint(2, 32000, (batch, 16), generator=torch.Generator().manual_seed(batch))
+        ids = torch.randint(2, vocab, (batch, 16), generator=torch.Generator().manual_seed(batch))
         mask = torch.ones_like(ids)
         same = torch.equal(
             ours.generate(ids, 8, attention_mask=mask),  # type: ignore[operator]
@@ -77,18 +79,16 @@ def generation(hf: torch.nn.Module, ours: torch.nn.Module, *, new: int, repeats:
         h: list[float] = []
         with torch.inference_mode():
             for _ in range(repeats):  # alternate so that both see the same machine load
-                a.append(timed(lambda: ours.generate(ids, new, attention_mask=mask)))  # type: ignore[operator]
+                a.append(timed(ours.generate, ids, new, attention_mask=mask))
                 h.append(
                     timed(
-                        lambda: hf.generate(  # type: ignore[operator]
-                            ids, attention_mask=mask, max_new_tokens=new, do_sample=False
-                        )
+                        hf.generate, ids, attention_mask=mask, max_new_tokens=new, do_sample=False
                     )
                 )
         ta, th = statistics.median(a), statistics.median(h)
         rows.append(
-            f"| {batch} | {batch * new / ta:.0f} | {batch * new / th:.0f} | {th / ta:.2f}x |"
-            + ("" if same else " (outputs differ!)")
+            f"| {vocab} | {batch} | {batch * new / ta:.0f} | {batch * new / th:.0f} | "
+            f"{th / ta:.2f}x |" + ("" if same else " (outputs differ!)")
         )
     return rows
 
@@ -102,15 +102,14 @@ def per_token(ours: torch.nn.Module, *, contexts: list[int], steps: int) -> list
     uncached: dict[int, float] = {}
     with torch.inference_mode():
         for c in contexts:
-            ids = torch.randint(2, 32000, (1, c + steps), generator=torch.Generator().manual_seed(c))
+            ids = torch.randint(2, 1000, (1, c + steps), generator=torch.Generator().manual_seed(c))
             cache = ours.new_cache(max_length=c + steps)  # type: ignore[operator]
             ours(ids[:, :c], past_key_values=cache, logits_to_keep=1)
-            ts = []
-            for t in range(c, c + steps):
-                ts.append(
-                    timed(lambda t=t: ours(ids[:, t : t + 1], past_key_values=cache, logits_to_keep=1))
-                )
-            full = [timed(lambda: ours(ids[:, : c + 1], logits_to_keep=1)) for _ in range(2)]
+            ts = [
+                timed(ours, ids[:, t : t + 1], past_key_values=cache, logits_to_keep=1)
+                for t in range(c, c + steps)
+            ]
+            full = [timed(ours, ids[:, : c + 1], logits_to_keep=1) for _ in range(2)]
             cached[c] = statistics.median(ts) * 1e3
             uncached[c] = min(full) * 1e3
             rows.append(f"| {c} | {cached[c]:.2f} | {uncached[c]:.1f} |")
@@ -126,14 +125,25 @@ def per_token(ours: torch.nn.Module, *, contexts: list[int], steps: int) -> list
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument(
+        "--vocabs", type=int, nargs="+", default=[32000, 4096], help="vocabulary sizes to compare"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
     p.add_argument("--update-docs", action="store_true", help=f"write the tables to {DOCS}")
     args = p.parse_args()
-    torch.manual_seed(0)
-    hf, ours = build(max(args.contexts) + args.steps + 1)
-    gen = generation(hf, ours, new=args.new_tokens, repeats=args.repeats)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = [
+        "| vocab | batch | attnlab tok/s | transformers tok/s | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for vocab in args.vocabs:
+        hf, ours = build(args.new_tokens + 32, vocab)
+        gen += generation(hf, ours, vocab=vocab, new=args.new_tokens, repeats=args.repeats)
+    _, ours = build(max(args.contexts) + args.steps + 1, args.vocabs[0])
     tok = per_token(ours, contexts=args.contexts, steps=args.steps)
     env = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -141,13 +151,14 @@ def main() -> None:
     )
     text = "\n".join(
         [
-            "Greedy generation, random Llama (4 layers, hidden 256, 8 heads, 2 KV heads, vocab "
-            f"32000), prompt 16 tokens, {args.new_tokens} new tokens, float32, median of "
+            "Greedy generation, random Llama (4 layers, hidden 256, 8 heads, 2 KV heads), "
+            f"prompt 16 tokens, {args.new_tokens} new tokens, float32, median of "
             f"{args.repeats} alternating runs ({env}):",
             "",
             *gen,
             "",
-            f"attnlab per-token decode time (batch 1, median of {args.steps} steps), with the KV "
+            f"attnlab per-token decode time (vocab {args.vocabs[0]}, batch 1, median of "
+            f"{args.steps} steps), with the KV "
             "cache vs recomputing the prefix:",
             "",
             *tok,
@@ -155,7 +166,7 @@ def main() -> None:
     )
     print(text)
     if args.update_docs:
-        write_docs(text, command="python benchmarks/decode.py --update-docs")
+        write_docs(text, command="python benchmarks/decode.py " + " ".join(sys.argv[1:]))
 
 
 def write_docs(body: str, *, command: str) -> None:
