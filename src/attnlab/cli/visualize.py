@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         out = model(**batch, output_attentions=True)
     progress.step("drawing")
     layers = list(out.attentions)
+
     def tick(layer: int) -> None:
         progress.tick(layer + 1, len(layers), "layers drawn")
 
