@@ -66,12 +66,12 @@ def test_nan_weights_in_one_layer_are_named() -> None:
     assert report.first_nonfinite_inputs[0]["nan"] == 0
 
 
-def test_nan_in_fused_projection_names_the_attention_module() -> None:
+def test_nan_in_value_projection_names_that_projection() -> None:
     model = _model()
     with torch.no_grad():
         model.layers[2].attention.v_proj.weight[0, 0] = float("nan")
     report = diagnose(model, _inputs(), attention_stats=False)
-    assert report.first_nonfinite_module == "layers.2.attention"
+    assert report.first_nonfinite_module == "layers.2.attention.v_proj"
     assert "layers.2.attention.v_proj.weight" in report.issues[0].message
 
 

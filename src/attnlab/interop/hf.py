@@ -39,6 +39,13 @@ class Converter:
         build: ``config -> attnlab model``.
         key_map: ``attnlab model -> {attnlab key: transformers key}``.
         to_hf_model: ``attnlab model -> transformers model`` (weights not yet loaded).
+        weights_from_hf: optional ``(hf_weights, attnlab config) -> weights`` applied to the
+            transformers state dict (prefix removed) before ``key_map`` is used: splits
+            fused tensors into the names ``key_map`` uses, drops tied copies.
+        weights_to_hf: optional ``(weights, attnlab model) -> hf_weights``, the inverse,
+            applied to the renamed state dict before it is loaded into transformers.
+        accepts: optional ``attnlab model -> bool`` choosing this converter in ``to_hf``
+            when several share ``attnlab_class`` (GPT-2, Llama, ... are all ``DecoderLM``).
     """
 
     model_type: str
@@ -49,6 +56,9 @@ class Converter:
     key_map: Callable[[nn.Module], dict[str, str]]
     to_hf_model: Callable[[nn.Module], nn.Module]
     base_prefix: str = ""
+    weights_from_hf: Callable[[dict[str, Tensor], Any], dict[str, Tensor]] | None = None
+    weights_to_hf: Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]] | None = None
+    accepts: Callable[[nn.Module], bool] | None = None
 
 
 _CONVERTERS: dict[str, Converter] = {}
@@ -60,7 +70,7 @@ def register_converter(conv: Converter) -> Converter:
 
 
 def _ensure_registered() -> None:
-    from attnlab.interop import bert  # noqa: F401  (registers)
+    from attnlab.interop import bert, bloom, gpt2, llama, t5  # noqa: F401  (registers)
 
 
 def supported_architectures() -> list[str]:
@@ -137,6 +147,8 @@ def _assemble(
     if prefix:
         weights = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in weights.items()}
     config = conv.config_from_hf(cfg, set(weights))
+    if conv.weights_from_hf is not None:
+        weights = conv.weights_from_hf(weights, config)
     model = conv.build(config)
     mapping = conv.key_map(model)
     own = model.state_dict()
@@ -180,7 +192,14 @@ def to_hf(model: nn.Module) -> nn.Module:
         ImportError: transformers is not installed (the ``hf`` extra).
     """
     _ensure_registered()
-    conv = next((c for c in _CONVERTERS.values() if isinstance(model, c.attnlab_class)), None)
+    conv = next(
+        (
+            c
+            for c in _CONVERTERS.values()
+            if isinstance(model, c.attnlab_class) and (c.accepts is None or c.accepts(model))
+        ),
+        None,
+    )
     if conv is None:
         raise ValueError(
             f"to_hf cannot convert {type(model).__name__}; supported: "
@@ -189,6 +208,8 @@ def to_hf(model: nn.Module) -> nn.Module:
     hf = conv.to_hf_model(model)
     own = model.state_dict()
     state = {theirs: own[ours] for ours, theirs in conv.key_map(model).items()}
+    if conv.weights_to_hf is not None:
+        state = conv.weights_to_hf(state, model)
     result = hf.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not _is_buffer_key(k)]
     if missing or result.unexpected_keys:
