@@ -203,7 +203,7 @@ def _stream_seq2seq(
     start_id = model.config.decoder_start_token_id
     tok = torch.full((b,), start_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
         out = model(
             attention_mask=attention_mask,
             decoder_input_ids=tok[:, None],
@@ -219,7 +219,6 @@ def _stream_seq2seq(
             finished |= torch.isin(tok, eos)
             if bool(finished.all()):
                 return
-        del step
 
 
 def generate(
