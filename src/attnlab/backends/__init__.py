@@ -5,8 +5,12 @@ block of code (``with attnlab.backends.use("reference"): ...``), or let ``auto``
 pick; :func:`explain` says why.
 """
 
+from attnlab.backends import flex as _flex  # noqa: F401  (registers)
+from attnlab.backends import linear as _linear  # noqa: F401  (registers)
 from attnlab.backends import reference as _reference  # noqa: F401  (registers)
 from attnlab.backends import sdpa as _sdpa  # noqa: F401  (registers)
+from attnlab.backends import sparse as _sparse  # noqa: F401  (registers)
+from attnlab.backends import tiled as _tiled  # noqa: F401  (registers)
 from attnlab.backends.registry import (
     AttentionCall,
     Backend,

@@ -4,14 +4,17 @@ Every backend is a :class:`Backend`: a function with the signature of
 :func:`attnlab.functional.sdpa_reference` (dense mask already resolved, or a
 :class:`~attnlab.functional.masks.MaskPattern` for backends that understand
 patterns) and a ``check`` that says, for one call, why the backend cannot run it
-(or ``None`` when it can). ``auto`` takes the first backend, in order of
-preference, whose check passes; :func:`explain` returns the same decision with
-the reason each other backend was passed over.
+(or ``None`` when it can), and a ``cost`` that estimates its time for the call
+from measured constants (:mod:`attnlab.backends.cost_model`). ``auto`` takes the
+exact backend with the lowest estimate among those whose check passes (ties go
+to the lower ``priority``); :func:`explain` returns the same decision with the
+reason each other backend was passed over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnlab.backends.cost_model import Estimate
 from attnlab.functional._checks import check_attention_inputs
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import MaskPattern
@@ -40,6 +44,7 @@ class AttentionCall:
     enable_gqa: bool
     needs_grad: bool
     return_weights: bool
+    mask_needs_grad: bool = False
 
     @classmethod
     def from_inputs(
@@ -76,6 +81,11 @@ class AttentionCall:
             enable_gqa=enable_gqa,
             needs_grad=bool(needs_grad),
             return_weights=return_weights,
+            mask_needs_grad=bool(
+                isinstance(attn_mask, Tensor)
+                and attn_mask.requires_grad
+                and torch.is_grad_enabled()
+            ),
         )
 
 
@@ -94,8 +104,12 @@ class Backend:
         exact: False for approximations (never chosen by ``auto``).
         accepts_patterns: True if ``fn`` takes a MaskPattern directly; otherwise the
             dispatcher passes the dense mask.
-        priority: lower runs first when ``auto`` chooses.
+        priority: breaks ties between equal estimates (lower first), and orders
+            :func:`available`.
         description: one line for ``explain``.
+        cost: estimated time of a call (see :mod:`attnlab.backends.cost_model`), or
+            None; a backend without an estimate is chosen by ``auto`` only when no
+            estimated backend can run the call.
     """
 
     name: str
@@ -105,6 +119,7 @@ class Backend:
     accepts_patterns: bool = False
     priority: int = 100
     description: str = ""
+    cost: Callable[[AttentionCall], Estimate | None] | None = None
 
 
 @dataclass
@@ -183,8 +198,8 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
             raise ValueError(f"backend {requested!r} ({source}) cannot run this call: {why}")
         others = {n: "not considered: a backend was named" for n in available() if n != requested}
         return Explanation(requested, {requested: "named explicitly", **others})
-    chosen: str | None = None
     reasons: dict[str, str] = {}
+    runnable: list[tuple[float, int, str, Estimate | None]] = []
     for name in available():
         b = _REGISTRY[name]
         if not b.exact:
@@ -193,14 +208,25 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
         why = b.check(call)
         if why is not None:
             reasons[name] = why
-        elif chosen is None:
-            chosen = name
-            reasons[name] = f"chosen: {b.description}" if b.description else "chosen"
-        else:
-            reasons[name] = f"can run it, but {chosen} is preferred"
-    if chosen is None:  # the reference runs everything; only reached if it was replaced
+            continue
+        est = b.cost(call) if b.cost is not None else None
+        runnable.append((est.seconds if est else float("inf"), b.priority, name, est))
+    if not runnable:  # the reference runs everything; only reached if it was replaced
         raise ValueError(f"no registered backend can run this call: {reasons}")
-    return Explanation(chosen, reasons)
+    runnable.sort(key=lambda r: (r[0], r[1]))
+    best_s, _, chosen, best_est = runnable[0]
+    b = _REGISTRY[chosen]
+    what = f"chosen, {best_est.note}" if best_est else "chosen (no cost estimate)"
+    reasons[chosen] = f"{what}: {b.description}" if b.description else what
+    for seconds, _, name, est in runnable[1:]:
+        if est is None:
+            reasons[name] = "can run it, but has no cost estimate"
+        elif best_s > 0 and math.isfinite(best_s):
+            reasons[name] = f"{est.note}, {seconds / best_s:.1f}x the estimate of {chosen}"
+        else:
+            reasons[name] = f"{est.note}, slower than {chosen}"
+    order = {n: i for i, n in enumerate(available())}
+    return Explanation(chosen, dict(sorted(reasons.items(), key=lambda kv: order[kv[0]])))
 
 
 def explain(

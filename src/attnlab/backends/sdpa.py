@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.backends.cost_model import Estimate, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.masks import causal_mask
 
@@ -80,6 +81,18 @@ def sdpa_torch(
     return out, None
 
 
+def _cost(call: AttentionCall) -> Estimate | None:
+    L, S = call.query_shape[-2], call.key_shape[-2]
+    only_causal = call.is_causal and call.mask == "none"
+    est = estimate("sdpa", call, L * S / 2 if only_causal else L * S)
+    if est is None or call.pattern is None:
+        return est
+    return Estimate(
+        est.seconds,
+        f"cannot skip the empty blocks of {call.pattern!r}: builds a dense {L}x{S} mask, {est.note}",
+    )
+
+
 SDPA = register(
     Backend(
         name="sdpa",
@@ -87,5 +100,6 @@ SDPA = register(
         check=_check,
         priority=10,
         description="torch's fused kernel (flash/memory-efficient/math, as torch picks)",
+        cost=_cost,
     )
 )

@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: list[str] = ["demo", "generate"]
+SUBCOMMANDS: list[str] = ["demo", "generate", "estimate", "advise", "diagnose", "visualize"]
 
 
 def build_parser() -> argparse.ArgumentParser:

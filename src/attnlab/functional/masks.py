@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional._checks import check_tensor
@@ -186,6 +187,71 @@ def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 # ------------------------------------------------------------------------ patterns
 
 
+class _BlockRanges:
+    """First and last absolute positions of each query tile and key tile.
+
+    ``q_first``/``q_last`` are ``[nq, 1]`` (query positions include ``q_offset``),
+    ``k_first``/``k_last`` are ``[1, nk]``; the last tile of each may be short.
+    """
+
+    def __init__(
+        self,
+        q_len: int,
+        kv_len: int,
+        block_q: int,
+        block_k: int,
+        q_offset: int,
+        device: torch.device,
+    ) -> None:
+        self.q_len, self.kv_len = q_len, kv_len
+        self.block_q, self.block_k = block_q, block_k
+        self.q_offset, self.device = q_offset, device
+        self.nq = -(-q_len // block_q)
+        self.nk = -(-kv_len // block_k)
+        qs = torch.arange(self.nq, device=device) * block_q
+        ks = torch.arange(self.nk, device=device) * block_k
+        self.q_first = (qs + q_offset).view(-1, 1)  # [nq, 1]
+        self.q_last = ((qs + block_q).clamp(max=q_len) - 1 + q_offset).view(-1, 1)  # [nq, 1]
+        self.k_first = ks.view(1, -1)  # [1, nk]
+        self.k_last = ((ks + block_k).clamp(max=kv_len) - 1).view(1, -1)  # [1, nk]
+
+    def q_positions(self) -> Tensor:
+        return torch.arange(self.q_len, device=self.device) + self.q_offset
+
+    def k_positions(self) -> Tensor:
+        return torch.arange(self.kv_len, device=self.device)
+
+    def reduce_q(self, x: Tensor, op: str) -> Tensor:
+        """Reduce a per-query-position bool ``[.., L]`` to per-tile ``[.., nq]``."""
+        return _reduce_tiles(x, self.block_q, self.nq, op)
+
+    def reduce_k(self, x: Tensor, op: str) -> Tensor:
+        """Reduce a per-key-position bool ``[.., S]`` to per-tile ``[.., nk]``."""
+        return _reduce_tiles(x, self.block_k, self.nk, op)
+
+
+def _reduce_tiles(x: Tensor, block: int, n_tiles: int, op: str) -> Tensor:
+    pad = n_tiles * block - x.shape[-1]
+    x = F.pad(x, (0, pad), value=op == "all")
+    x = x.view(*x.shape[:-1], n_tiles, block)  # [.., n_tiles, block]
+    return x.any(-1) if op == "any" else x.all(-1)
+
+
+def _tile_min_of(x: Tensor, block: int, n_tiles: int) -> Tensor:
+    pad = n_tiles * block - x.shape[-1]
+    x = F.pad(x, (0, pad), value=float(1 << 40))
+    return x.view(*x.shape[:-1], n_tiles, block).amin(-1)  # [.., n_tiles]
+
+
+def _window_tiles(r: _BlockRanges, left: int, right: int) -> tuple[Tensor, Tensor]:
+    """Tiles touched by ``-right <= q - k <= left`` (``left``/``right`` may be huge)."""
+    d_min = r.q_first - r.k_last  # [nq, nk] smallest q - k in the tile
+    d_max = r.q_last - r.k_first  # [nq, nk] largest q - k in the tile
+    any_ = (d_max >= -right) & (d_min <= left)
+    all_ = (d_min >= -right) & (d_max <= left)
+    return any_, all_
+
+
 class MaskPattern:
     """A structured attention pattern: which (query position, key position) pairs attend.
 
@@ -239,17 +305,112 @@ class MaskPattern:
         return self.mask_mod(zero, zero, q, k).expand(q_len, kv_len)
 
     def density(self, q_len: int, kv_len: int | None = None, *, q_offset: int = 0) -> float:
-        """Fraction of (query, key) pairs attended, counted exactly in row chunks."""
+        """Fraction of (query, key) pairs attended.
+
+        Exact: patterns with a closed form count per row in ``O(L)``; others are
+        counted in row chunks when ``L * S <= 2**26``, and estimated from 4096
+        evenly spaced rows above that (the cost model needs a fraction, not a count).
+        """
         kv_len = q_len if kv_len is None else kv_len
+        _check_len("q_len", q_len)
+        _check_len("kv_len", kv_len)
         if q_len == 0 or kv_len == 0:
             return 0.0
-        chunk = max(1, (1 << 22) // max(kv_len, 1))
-        total = 0
-        for start in range(0, q_len, chunk):
-            rows = min(chunk, q_len - start)
-            total += int(self.to_dense(rows, kv_len, q_offset=q_offset + start).sum())
+        counts = self._row_counts(q_len, kv_len, q_offset)
+        if counts is not None:
+            return float(counts.sum()) / (q_len * kv_len)
         n = (self.batch_size or 1) if self.batch_dependent else 1
-        return total / (n * q_len * kv_len)
+        if q_len * kv_len <= (1 << 26):
+            rows_at = torch.arange(q_len)
+        else:
+            rows_at = torch.linspace(0, q_len - 1, 4096).round().long().unique()
+        chunk = max(1, (1 << 22) // kv_len)
+        total = 0
+        for start in range(0, rows_at.numel(), chunk):
+            pos = rows_at[start : start + chunk] + q_offset
+            total += int(self._dense_rows(pos, kv_len).sum())
+        return total / (n * rows_at.numel() * kv_len)
+
+    def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
+        """Attended keys per query row in closed form, or None where there is none."""
+        return None
+
+    def _dense_rows(self, q_pos: Tensor, kv_len: int) -> Tensor:
+        """The pattern for the query positions ``q_pos`` ``[R]``: ``[R, S]`` or ``[B, 1, R, S]``."""
+        dev = q_pos.device
+        q = q_pos.view(-1, 1)  # [R, 1]
+        k = torch.arange(kv_len, device=dev).view(1, -1)  # [1, S]
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        if self.batch_dependent:
+            b = torch.arange(self.batch_size or 1, device=dev).view(-1, 1, 1, 1)  # [B, 1, 1, 1]
+            return self.mask_mod(b, zero, q, k).expand(b.shape[0], 1, q.shape[0], kv_len)
+        return self.mask_mod(zero, zero, q, k).expand(q.shape[0], kv_len)
+
+    def block_mask(
+        self,
+        q_len: int,
+        kv_len: int,
+        block_q: int,
+        block_k: int,
+        *,
+        q_offset: int = 0,
+        device: torch.device | str | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Which ``block_q x block_k`` tiles of the ``L x S`` score matrix the pattern touches.
+
+        This is what block-sparse kernels (FlashAttention's block skipping, Longformer-
+        and BigBird-style sparse attention, FlexAttention's ``BlockMask``) need to
+        know: a tile with no attended pair is skipped, and a tile whose pairs are all
+        attended needs no element mask. Closed forms cost ``O(L/block_q * S/block_k)``;
+        a pattern without one is evaluated in row chunks.
+
+        Args:
+            q_len: number of queries ``L``.
+            kv_len: number of keys ``S``.
+            block_q: rows per tile (the last tile may be shorter).
+            block_k: keys per tile (the last tile may be shorter).
+            q_offset: absolute position of the first query.
+            device: where to build the result.
+
+        Returns:
+            ``(any_, all_)``: bool ``[ceil(L/block_q), ceil(S/block_k)]``. ``any_`` is True
+            where the tile may hold an attended pair (a superset of the truth, exact for
+            the built-in patterns except dilated windows and combinations); ``all_`` is
+            True only where every pair of the tile is attended (a subset). A
+            batch-dependent pattern is reduced over its batch (``any`` of ``any_``,
+            ``all`` of ``all_``).
+        """
+        for name, n in (("q_len", q_len), ("kv_len", kv_len)):
+            _check_len(name, n)
+        for name, n in (("block_q", block_q), ("block_k", block_k)):
+            if _check_len(name, n) < 1:
+                raise ValueError(f"{name} must be >= 1, got {n}")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        ranges = _BlockRanges(q_len, kv_len, block_q, block_k, q_offset, dev)
+        return self._block_mask(ranges)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        """Fallback: evaluate the pattern in chunks of query tiles and reduce."""
+        nq, nk = r.nq, r.nk
+        any_ = torch.zeros(nq, nk, dtype=torch.bool, device=r.device)
+        all_ = torch.zeros(nq, nk, dtype=torch.bool, device=r.device)
+        tiles_per_chunk = max(1, (1 << 22) // max(r.kv_len * r.block_q, 1))
+        pad_k = nk * r.block_k - r.kv_len
+        for t0 in range(0, nq, tiles_per_chunk):
+            t1 = min(nq, t0 + tiles_per_chunk)
+            rows0, rows1 = t0 * r.block_q, min(t1 * r.block_q, r.q_len)
+            pos = torch.arange(rows0, rows1, device=r.device) + r.q_offset
+            dense = self._dense_rows(pos, r.kv_len)
+            if dense.dim() == 4:  # [B, 1, R, S]: a tile is needed if any sequence needs it
+                d_any, d_all = dense.any(0)[0], dense.all(0)[0]
+            else:
+                d_any = d_all = dense
+            pad_q = (t1 - t0) * r.block_q - (rows1 - rows0)
+            for src, dst, fill, red in ((d_any, any_, False, "any"), (d_all, all_, True, "all")):
+                x = F.pad(src, (0, pad_k, 0, pad_q), value=fill)  # [Rp, Sp]
+                x = x.view(t1 - t0, r.block_q, nk, r.block_k)  # [tq, bq, nk, bk]
+                dst[t0:t1] = x.any(3).any(1) if red == "any" else x.all(3).all(1)
+        return any_, all_
 
     def _device(self) -> torch.device | None:
         return None
@@ -303,6 +464,16 @@ class _Combined(MaskPattern):
             out = (out & m) if self.op == "&" else (out | m)
         return out
 
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        any_, all_ = self.parts[0]._block_mask(r)
+        for p in self.parts[1:]:
+            a, b = p._block_mask(r)
+            if self.op == "&":
+                any_, all_ = any_ & a, all_ & b
+            else:
+                any_, all_ = any_ | a, all_ | b
+        return any_, all_
+
     def __repr__(self) -> str:
         return "(" + f" {self.op} ".join(map(repr, self.parts)) + ")"
 
@@ -322,6 +493,10 @@ class _Not(MaskPattern):
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return ~self.inner.mask_mod(b, h, q_idx, kv_idx)
 
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        any_, all_ = self.inner._block_mask(r)
+        return ~all_, ~any_
+
     def __repr__(self) -> str:
         return f"~{self.inner!r}"
 
@@ -332,6 +507,13 @@ class Full(MaskPattern):
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return torch.ones_like(q_idx == kv_idx)
 
+    def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
+        return torch.full((q_len,), kv_len, dtype=torch.long)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        ones = torch.ones(r.nq, r.nk, dtype=torch.bool, device=r.device)
+        return ones, ones.clone()
+
     def __repr__(self) -> str:
         return "full()"
 
@@ -341,6 +523,13 @@ class Causal(MaskPattern):
 
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx <= q_idx
+
+    def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
+        q = torch.arange(q_len) + q_offset
+        return (q + 1).clamp(0, kv_len)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        return _window_tiles(r, r.q_len + r.q_offset + r.kv_len, 0)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -357,6 +546,15 @@ class SlidingWindow(MaskPattern):
         d = q_idx - kv_idx
         return (d <= self.left) & (d >= -self.right)
 
+    def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
+        q = torch.arange(q_len) + q_offset
+        lo = (q - self.left).clamp(min=0)
+        hi = (q + self.right).clamp(max=kv_len - 1)
+        return (hi - lo + 1).clamp(min=0)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        return _window_tiles(r, self.left, self.right)
+
     def __repr__(self) -> str:
         return f"sliding_window(left={self.left}, right={self.right})"
 
@@ -370,12 +568,25 @@ class GlobalTokens(MaskPattern):
             raise ValueError(f"global token indices must be >= 0, got {idx.tolist()}")
         self.indices = torch.unique(idx)
 
+        n = int(self.indices.max()) + 1 if self.indices.numel() else 0
+        # A lookup table (not torch.isin) so that FlexAttention can trace mask_mod.
+        self._table = torch.zeros(n + 1, dtype=torch.bool)
+        self._table[self.indices] = True
+
     def _is_global(self, pos: Tensor) -> Tensor:
-        idx = self.indices.to(pos.device)
-        return torch.isin(pos, idx)
+        table = self._table.to(pos.device)
+        last = table.shape[0] - 1  # the final entry is always False
+        inside = (pos >= 0) & (pos < last)
+        return table[torch.where(inside, pos, torch.full_like(pos, last))]
 
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self._is_global(q_idx) | self._is_global(kv_idx)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        gq, gk = self._is_global(r.q_positions()), self._is_global(r.k_positions())
+        any_ = r.reduce_q(gq, "any")[:, None] | r.reduce_k(gk, "any")[None, :]
+        all_ = r.reduce_q(gq, "all")[:, None] | r.reduce_k(gk, "all")[None, :]
+        return any_, all_
 
     def __repr__(self) -> str:
         return f"global_tokens({self.indices.tolist()})"
@@ -395,6 +606,15 @@ class Dilated(MaskPattern):
         d = q_idx - kv_idx
         ok = (d.abs() <= self.window * self.dilation) & (d.remainder(self.dilation) == 0)
         return ok & (d >= 0) if self.causal else ok
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        reach = self.window * self.dilation
+        any_, all_ = _window_tiles(r, reach, 0 if self.causal else reach)
+        if self.dilation > 1:  # a tile wider than one position always holds a skipped key
+            single = (r.q_last == r.q_first) & (r.k_last == r.k_first)
+            on_grid = (r.q_first - r.k_first).remainder(self.dilation) == 0
+            all_ = all_ & single & on_grid
+        return any_, all_
 
     def __repr__(self) -> str:
         return f"dilated(window={self.window}, dilation={self.dilation}, causal={self.causal})"
@@ -431,6 +651,29 @@ class Document(MaskPattern):
         dq, dk = self._lookup(b, q_idx), self._lookup(b, kv_idx)
         return (dq == dk) & (dq >= 0)
 
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        n_b = (self.batch_size or 1) if self.batch_dependent else 1
+        b = torch.arange(n_b, device=r.device).view(-1, 1)  # [B, 1]
+        big = 1 << 40  # exact as a float (F.pad takes a float fill)
+
+        def ranges(pos: Tensor, block: int, n_tiles: int) -> tuple[Tensor, ...]:
+            d = self._lookup(b, pos.view(1, -1))  # [B, n]; -1 outside a document
+            valid = d >= 0
+            lo = _tile_min_of(torch.where(valid, d, torch.full_like(d, big)), block, n_tiles)
+            hi = -_tile_min_of(torch.where(valid, -d, torch.full_like(d, big)), block, n_tiles)
+            v_any = _reduce_tiles(valid, block, n_tiles, "any")
+            v_all = _reduce_tiles(valid, block, n_tiles, "all")
+            return lo, hi, v_any, v_all  # each [B, n_tiles]
+
+        qlo, qhi, q_any, q_all = ranges(r.q_positions(), r.block_q, r.nq)
+        klo, khi, k_any, k_all = ranges(r.k_positions(), r.block_k, r.nk)
+        overlap = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
+        any_ = overlap & q_any[:, :, None] & k_any[:, None, :]  # [B, nq, nk]
+        same = (qlo == qhi)[:, :, None] & (klo == khi)[:, None, :]
+        same = same & (qlo[:, :, None] == klo[:, None, :])
+        all_ = same & q_all[:, :, None] & k_all[:, None, :]  # [B, nq, nk]
+        return any_.any(0), all_.all(0)
+
     def __repr__(self) -> str:
         return f"document(shape={tuple(self.doc_ids.shape)})"
 
@@ -443,6 +686,14 @@ class PrefixLM(MaskPattern):
 
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx < self.prefix_len) | (kv_idx <= q_idx)
+
+    def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
+        q = torch.arange(q_len) + q_offset
+        return torch.maximum(q + 1, torch.full_like(q, self.prefix_len)).clamp(0, kv_len)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        c_any, c_all = _window_tiles(r, r.q_len + r.q_offset + r.kv_len, 0)
+        return c_any | (r.k_first < self.prefix_len), c_all | (r.k_last < self.prefix_len)
 
     def __repr__(self) -> str:
         return f"prefix_lm({self.prefix_len})"
@@ -468,6 +719,14 @@ class Padding(MaskPattern):
         inside = (kv_idx >= 0) & (kv_idx < n)
         got = self.keep.to(kv_idx.device)[b, kv_idx.clamp(0, max(n - 1, 0))]
         return got & inside & (q_idx == q_idx)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        k = r.k_positions()
+        n = self.keep.shape[-1]
+        keep = self.keep.to(r.device)[:, k.clamp(max=max(n - 1, 0))] & (k < n)  # [B, S]
+        any_ = r.reduce_k(keep, "any").any(0)  # [nk]
+        all_ = r.reduce_k(keep, "all").all(0)
+        return any_.expand(r.nq, r.nk).clone(), all_.expand(r.nq, r.nk).clone()
 
     def __repr__(self) -> str:
         return f"padding(shape={tuple(self.keep.shape)})"

@@ -32,6 +32,8 @@ class Converter:
         model_type: transformers' ``config.model_type``.
         hf_classes: transformers class names accepted as objects, each mapped to the
             prefix its state-dict keys carry ("" for the bare model).
+        base_prefix: prefix of the base model's keys inside task checkpoints (e.g.
+            ``"bert."`` in a saved ``BertForMaskedLM``); stripped when reading a folder.
         attnlab_class: the attnlab model class (for ``to_hf``).
         config_from_hf: ``(hf_config_dict, weight_names) -> attnlab config``.
         build: ``config -> attnlab model``.
@@ -53,6 +55,7 @@ class Converter:
     build: Callable[[Any], nn.Module]
     key_map: Callable[[nn.Module], dict[str, str]]
     to_hf_model: Callable[[nn.Module], nn.Module]
+    base_prefix: str = ""
     weights_from_hf: Callable[[dict[str, Tensor], Any], dict[str, Tensor]] | None = None
     weights_to_hf: Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]] | None = None
     accepts: Callable[[nn.Module], bool] | None = None
@@ -110,6 +113,8 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
         conv = _converter(str(cfg.get("model_type")), arch)
         weights = load_safetensors_dir(folder)
         prefix = conv.hf_classes.get(arch, "")
+        if not prefix and conv.base_prefix and any(k.startswith(conv.base_prefix) for k in weights):
+            prefix = conv.base_prefix
         return _assemble(conv, cfg, weights, prefix, source=str(folder), strict_extra=False)
     if isinstance(model_or_local_dir, nn.Module) and hasattr(model_or_local_dir, "config"):
         hf: Any = model_or_local_dir

@@ -1,0 +1,420 @@
+"""Attention backends: time and peak memory against sequence length (issue 4).
+
+For each mask (dense causal; sliding window w = 512, i.e. ``sliding_window(511)``),
+each pass (forward; forward + backward up to 8192) and each length (512 ... 32768),
+every backend runs in a fresh subprocess (B = 1, 12 heads, head dim 64, float32),
+which reports its median time and its peak extra memory (the peak resident size,
+``VmHWM``, reset through ``/proc/self/clear_refs`` just before the first call, minus
+the resident size then; glibc keeps freed buffers, so a fresh process per cell). The named peer is torch's own
+``scaled_dot_product_attention``: ``is_causal=True`` for the causal mask, the same
+window as a dense boolean mask for the sliding window. Ratios are against it.
+
+Usage::
+
+    PYTHONPATH=src python benchmarks/attention.py            # the full run (long)
+    PYTHONPATH=src python benchmarks/attention.py --quick    # 512..2048, a smoke test
+    PYTHONPATH=src python benchmarks/attention.py --calibrate  # constants for auto
+
+The full run writes ``build/bench/attention.json``, the plot
+``docs/attention_backends.png`` and its table into ``docs/benchmarks.md`` under
+"## Attention backends (issue 4)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, HEAD_DIM, WINDOW = 12, 64, 512
+BACKENDS = ["torch", "reference", "sdpa", "tiled", "sparse", "flex", "auto", "linear"]
+LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+BWD_MAX = 8192
+SECTION = "## Attention backends (issue 4)"
+
+
+# --------------------------------------------------------------------- one cell
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Reset the peak resident size (Linux: ``5 > /proc/self/clear_refs``); return the current one."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str, float]:
+    """Run one (backend, mask, length, pass) in this process; return time and memory."""
+    import torch
+    import torch.nn.functional as F
+
+    from attnlab.functional import masks, scaled_dot_product_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM, requires_grad=bwd) for _ in range(3))
+    pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
+    dense = pattern.to_dense(L, L) if (backend == "torch" and pattern is not None) else None
+
+    def call() -> torch.Tensor:
+        if backend == "torch":
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, is_causal=mask == "causal"
+            )
+        out = scaled_dot_product_attention(
+            q, k, v, attn_mask=pattern, is_causal=mask == "causal", backend=backend
+        )
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def step() -> None:
+        if bwd:
+            call().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        else:
+            with torch.no_grad():
+                call()
+
+    if backend == "auto" and not bwd and mask == "window":
+        # A long-running job has compiled flex for its shape after the first call;
+        # without this, auto (rightly) avoids flex's ~15 s first-call compile.
+        with torch.no_grad():
+            scaled_dot_product_attention(q, k, v, attn_mask=pattern, backend="flex")
+    base = _reset_peak()
+    t0 = time.perf_counter()
+    step()  # warm-up: compiles flex, sets the peak memory
+    first = time.perf_counter() - t0
+    peak = _status_bytes("VmHWM") - base
+    if backend == "flex":  # the compile's own memory is in the first call: measure again
+        base = _reset_peak()
+        step()
+        peak = _status_bytes("VmHWM") - base
+    times = [first]
+    if first < 30:
+        times = []
+        for _ in range(reps if first < 2 else 1):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return {"seconds": min(times), "first": first, "peak_bytes": float(peak)}
+
+
+def _subprocess_cell(backend: str, mask: str, L: int, bwd: bool, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--cell", backend, mask, str(L), "1" if bwd else "0"]
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "inductor-cache"))
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout > {timeout:.0f} s"}
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"exit {res.returncode}: {tail[:120]}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------- plans
+
+
+def skip_reason(backend: str, mask: str, L: int, bwd: bool) -> str | None:
+    """Cells not run, with the reason written into the table."""
+    if backend == "reference" and L > 8192:
+        return f"needs ~{3 * HEADS * L * L * 4 / 2**30:.0f} GiB"
+    if backend == "torch" and mask == "window" and L > 16384:
+        return "dense mask: O(L^2) time, > 60 s"
+    if backend == "sdpa" and mask == "window" and L > 8192:
+        return "same as torch + mask build"
+    if backend == "flex" and bwd:
+        return "CPU flex: inference only"
+    if backend == "linear" and mask == "window":
+        return "applies only causal/padding masks"
+    if backend == "sparse" and mask == "causal" and L > 8192:
+        return "O(L^2) gather, slow"
+    return None
+
+
+def matmul_gflops() -> float:
+    import torch
+
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+    a @ b
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 4096**3 / best / 1e9
+
+
+def useful_flops(mask: str, L: int, bwd: bool) -> float:
+    """Useful FLOPs: 4 * H * pairs * d forward (pairs attended), 2.5x more for the backward."""
+    pairs = L * (L + 1) / 2 if mask == "causal" else sum(min(i + 1, WINDOW) for i in range(L))
+    f = 4 * HEADS * pairs * HEAD_DIM
+    return f * 3.5 if bwd else f
+
+
+def full_run(lengths: list[int], backends: list[str], out_json: Path, timeout: float) -> dict:
+    results: dict = {"matmul_gflops": matmul_gflops(), "cells": []}
+    print(f"fp32 matmul 4096^3: {results['matmul_gflops']:.0f} GFLOP/s", flush=True)
+    for mask in ("causal", "window"):
+        for bwd in (False, True):
+            for L in lengths:
+                if bwd and L > BWD_MAX:
+                    continue
+                for backend in backends:
+                    why = skip_reason(backend, mask, L, bwd)
+                    cell = {"backend": backend, "mask": mask, "L": L, "bwd": bwd}
+                    cell.update(
+                        {"skipped": why}
+                        if why
+                        else _subprocess_cell(backend, mask, L, bwd, timeout)
+                    )
+                    results["cells"].append(cell)
+                    print(json.dumps(cell), flush=True)
+                    out_json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _fmt_ms(s: float) -> str:
+    ms = s * 1e3
+    return f"{ms:.0f}" if ms >= 10 else f"{ms:.1f}"
+
+
+def report(results: dict) -> str:
+    cells = results["cells"]
+    mm = results["matmul_gflops"]
+    lines = []
+    backends = [b for b in BACKENDS if any(c["backend"] == b for c in cells)]
+    for mask in ("causal", "window"):
+        for bwd in (False, True):
+            sel = [c for c in cells if c["mask"] == mask and c["bwd"] == bwd]
+            if not sel:
+                continue
+            lengths = sorted({c["L"] for c in sel})
+            peer = (
+                "torch sdpa is_causal"
+                if mask == "causal"
+                else f"torch sdpa + dense bool window mask (w={WINDOW})"
+            )
+            title = "dense causal" if mask == "causal" else f"sliding window w={WINDOW}"
+            lines += ["", f"### {title}, {'forward + backward' if bwd else 'forward'}", ""]
+            lines += [f"Time in ms (ratio to {peer}); GFLOP/s = useful FLOPs / time.", ""]
+            lines += ["| backend | " + " | ".join(str(L) for L in lengths) + " |"]
+            lines += ["|---" * (len(lengths) + 1) + "|"]
+            by = {(c["backend"], c["L"]): c for c in sel}
+            for b in backends:
+                row = [b if b != "torch" else "torch (peer)"]
+                for L in lengths:
+                    c = by.get((b, L))
+                    peer_c = by.get(("torch", L))
+                    if c is None:
+                        row.append("")
+                    elif "skipped" in c:
+                        row.append(f"— ({c['skipped']})")
+                    elif "error" in c:
+                        row.append(f"✗ ({c['error'][:40]})")
+                    else:
+                        txt = _fmt_ms(c["seconds"])
+                        if peer_c and "seconds" in peer_c and b != "torch":
+                            txt += f" ({c['seconds'] / peer_c['seconds']:.2f}×)"
+                        txt += f", {useful_flops(mask, L, bwd) / c['seconds'] / 1e9:.0f} GF/s"
+                        row.append(txt)
+                lines.append("| " + " | ".join(row) + " |")
+            if not bwd:
+                lines += [
+                    "",
+                    "Peak extra memory (MiB; `VmHWM` after a reset, fresh process per cell):",
+                    "",
+                ]
+                lines += ["| backend | " + " | ".join(str(L) for L in lengths) + " |"]
+                lines += ["|---" * (len(lengths) + 1) + "|"]
+                for b in backends:
+                    row = [b if b != "torch" else "torch (peer)"]
+                    for L in lengths:
+                        c = by.get((b, L))
+                        row.append(
+                            f"{c['peak_bytes'] / 2**20:.0f}" if c and "peak_bytes" in c else "—"
+                        )
+                    lines.append("| " + " | ".join(row) + " |")
+    head = [
+        f"fp32 matmul (4096³) on this machine: **{mm:.0f} GFLOP/s**, the limit to compare with.",
+        "",
+    ]
+    return "\n".join(head + lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in results["cells"] if "seconds" in c]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for ax, (mask, bwd, what) in zip(
+        axes,
+        [
+            ("causal", False, "seconds"),
+            ("window", False, "seconds"),
+            ("window", False, "peak_bytes"),
+        ],
+    ):
+        for b in BACKENDS:
+            pts = sorted(
+                (c["L"], c[what])
+                for c in cells
+                if c["backend"] == b and c["mask"] == mask and c["bwd"] == bwd
+            )
+            if pts:
+                xs, ys = zip(*pts)
+                ys = [y * 1e3 if what == "seconds" else y / 2**20 for y in ys]
+                ax.loglog(xs, ys, marker="o", label=b if b != "torch" else "torch sdpa (peer)")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("ms" if what == "seconds" else "peak extra MiB")
+        ax.set_title(
+            f"{mask}, {'fwd+bwd' if bwd else 'fwd'}: {'time' if what == 'seconds' else 'memory'}"
+        )
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_section(text: str, md: Path) -> None:
+    doc = md.read_text()
+    start = doc.index(SECTION) + len(SECTION)
+    nxt = doc.find("\n## ", start)
+    end = len(doc) if nxt < 0 else nxt + 1
+    md.write_text(
+        doc[:start] + "\n\n" + text.strip() + "\n" + ("\n" if nxt >= 0 else "") + doc[end:]
+    )
+
+
+# ------------------------------------------------------------------- calibrate
+
+
+def calibrate() -> None:
+    """Fit ``overhead + seconds_per_unit * units`` per backend and pass; print the table."""
+    import torch
+
+    from attnlab.backends import AttentionCall
+    from attnlab.backends.cost_model import computed_pairs, units
+    from attnlab.backends.flex import BLOCK_SIZE
+    from attnlab.backends.sparse import BLOCK
+    from attnlab.backends.tiled import BLOCK_K, BLOCK_Q
+    from attnlab.functional import masks
+
+    blocks = {
+        "tiled": (BLOCK_Q, BLOCK_K),
+        "sparse": (BLOCK, BLOCK),
+        "flex": (BLOCK_SIZE, BLOCK_SIZE),
+    }
+    table: dict[str, dict[str, tuple[float, float]]] = {}
+    for backend in ["reference", "sdpa", "tiled", "sparse", "flex"]:
+        table[backend] = {}
+        for bwd in (False, True):
+            if backend == "flex" and bwd:
+                table[backend]["fwd_bwd"] = (1e-3, 3 * table[backend]["fwd"][1])
+                continue
+            pts = []
+            for mask in ("causal", "window"):
+                for L in (1024, 2048):
+                    r = _subprocess_cell(backend, mask, L, bwd, 600)
+                    if "seconds" not in r:
+                        print(f"# {backend} {mask} {L} {bwd}: {r}", file=sys.stderr)
+                        continue
+                    pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
+                    x = torch.zeros(1, HEADS, L, HEAD_DIM)
+                    call = AttentionCall.from_inputs(
+                        x,
+                        x,
+                        x,
+                        pattern,
+                        dropout_p=0.0,
+                        is_causal=mask == "causal",
+                        enable_gqa=False,
+                        return_weights=False,
+                    )
+                    if backend in blocks:
+                        pairs = computed_pairs(call, *blocks[backend])
+                    elif backend == "sdpa" and mask == "causal":
+                        pairs = L * L / 2
+                    else:
+                        pairs = L * L
+                    pts.append((units(call, pairs), r["seconds"]))
+                    print(
+                        f"# {backend} {mask} L={L} bwd={bwd}: {r['seconds'] * 1e3:.1f} ms",
+                        file=sys.stderr,
+                    )
+            # least squares through the points, overhead clamped at >= 0
+            n = len(pts)
+            mx = sum(p[0] for p in pts) / n
+            my = sum(p[1] for p in pts) / n
+            sxx = sum((p[0] - mx) ** 2 for p in pts) or 1.0
+            slope = max(sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx, 1e-12)
+            icpt = max(my - slope * mx, 0.0)
+            table[backend]["fwd_bwd" if bwd else "fwd"] = (icpt, slope)
+    print('    "cpu": {')
+    for b, row in table.items():
+        items = ", ".join(f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in row.items())
+        print(f'        "{b}": {{{items}}},')
+    print("    },")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="lengths 512..2048 only")
+    ap.add_argument("--calibrate", action="store_true", help="print cost-model constants")
+    ap.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
+    ap.add_argument("--backends", nargs="*", default=BACKENDS)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
+    ap.add_argument("--no-docs", action="store_true", help="do not write docs/")
+    ap.add_argument("--from-json", type=Path, help="only rebuild the report from a saved run")
+    ap.add_argument(
+        "--cell", nargs=4, metavar=("BACKEND", "MASK", "L", "BWD"), help=argparse.SUPPRESS
+    )
+    args = ap.parse_args()
+    if args.cell:
+        b, m, L, bwd = args.cell
+        print(json.dumps(run_cell(b, m, int(L), bwd == "1", reps=3)))
+        return
+    if args.calibrate:
+        calibrate()
+        return
+    out = ROOT / "build" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+    else:
+        lengths = args.lengths or ([512, 1024, 2048] if args.quick else LENGTHS)
+        results = full_run(lengths, args.backends, out / "attention.json", args.timeout)
+    text = report(results)
+    print(text)
+    if not args.no_docs and not args.quick:
+        plot(results, ROOT / "docs" / "attention_backends.png")
+        write_section(text, ROOT / "docs" / "benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The cost model behind ``auto``: how long each backend would take for one call.
+
+Every exact backend does work proportional to the number of (query, key) pairs it
+computes, times the head dims: ``units = N * H * pairs * (E + Ev) / 128`` (one unit
+is one pair of one head at head dim 64). What differs is *which* pairs a backend
+computes and how fast it goes through them:
+
+* ``reference`` and ``sdpa`` with a mask compute all ``L * S`` pairs (``sdpa``'s
+  causal flash kernel skips the upper triangle when ``is_causal`` is the only mask);
+* ``tiled`` and ``flex`` compute the tiles the pattern touches (``256 x 256`` and
+  ``128 x 128``);
+* ``sparse`` computes the ``64``-wide key blocks each query block gathers.
+
+The estimate is ``overhead + units * seconds_per_unit``, with one pair of constants
+per backend, per pass (forward, or forward + backward) and per device type,
+measured on this project's machine (:mod:`attnlab.backends.cost_constants`).
+Tile counts come from :meth:`MaskPattern.block_mask` (cached), so the model sees
+that a sliding window leaves most tiles empty, without building a mask.
+
+Shape notation as in :mod:`attnlab.backends.registry`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnlab.backends import cost_constants
+from attnlab.functional.masks import MaskPattern, causal
+
+if TYPE_CHECKING:
+    from attnlab.backends.registry import AttentionCall
+
+__all__ = ["Estimate", "computed_pairs", "estimate", "units"]
+
+_MAX_CACHED = 128
+_pairs_cache: OrderedDict[tuple[object, ...], tuple[MaskPattern | None, float]] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A backend's estimated time for one call.
+
+    Attributes:
+        seconds: estimated wall time.
+        note: what the estimate assumes (shown by ``explain``).
+    """
+
+    seconds: float
+    note: str = ""
+
+
+def units(call: AttentionCall, pairs: float) -> float:
+    """Work units of ``pairs`` (query, key) pairs per head: ``N * H * pairs * (E + Ev) / 128``."""
+    q, v = call.query_shape, call.value_shape
+    n_h = math.prod(q[:-2])
+    return n_h * pairs * (q[-1] + v[-1]) / 128.0
+
+
+def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
+    """Pairs per head a block-sparse backend with ``block_q x block_k`` tiles computes."""
+    L, S = call.query_shape[-2], call.key_shape[-2]
+    pattern = call.pattern
+    if call.is_causal:
+        pattern = causal() if pattern is None else pattern & causal()
+    if pattern is None or L == 0 or S == 0:
+        return float(L * S)
+    key = (id(call.pattern), call.is_causal, L, S, block_q, block_k)
+    hit = _pairs_cache.get(key)
+    if hit is not None:
+        return hit[1]
+    needed, _ = pattern.block_mask(L, S, block_q, block_k)  # [nq, nk]
+    rows = torch.full((needed.shape[0],), float(block_q))
+    rows[-1] = L - block_q * (needed.shape[0] - 1)
+    cols = torch.full((needed.shape[1],), float(block_k))
+    cols[-1] = S - block_k * (needed.shape[1] - 1)
+    pairs = float(rows @ needed.to(rows.dtype) @ cols)
+    _pairs_cache[key] = (call.pattern, pairs)  # keeps the pattern alive: ids stay unique
+    if len(_pairs_cache) > _MAX_CACHED:
+        _pairs_cache.popitem(last=False)
+    return pairs
+
+
+def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None:
+    """``overhead + units * seconds_per_unit`` from the measured constants, or None if unmeasured."""
+    table = cost_constants.CONSTANTS.get(call.device.type) or cost_constants.CONSTANTS["cpu"]
+    row = table.get(backend)
+    if row is None:
+        return None
+    overhead, per_unit = row["fwd_bwd" if call.needs_grad else "fwd"]
+    seconds = overhead + units(call, pairs) * per_unit
+    if call.return_weights:
+        seconds += (
+            units(call, call.query_shape[-2] * call.key_shape[-2]) * table["weights"]["fwd"][1]
+        )
+    note = f"~{seconds * 1e3:.3g} ms for {pairs / max(1, call.query_shape[-2] * call.key_shape[-2]):.0%} of the pairs"
+    if call.device.type not in cost_constants.CONSTANTS:
+        note += f" (constants measured on cpu, not {call.device.type})"
+    return Estimate(seconds, note)

@@ -1,0 +1,248 @@
+"""The ``flex`` backend: torch's FlexAttention, compiled, fed with a pattern's block mask.
+
+FlexAttention (PyTorch 2.5+, "FlexAttention: the flexibility of PyTorch with the
+performance of FlashAttention", He et al., 2024) takes the same ``mask_mod``
+predicate as :class:`~attnlab.functional.masks.MaskPattern`, turns it into a
+``BlockMask`` (which ``128 x 128`` tiles are empty, full or partial) and generates
+a fused kernel with ``torch.compile``: Triton on a GPU, C++ on a CPU. Uncompiled,
+it materialises the whole score matrix, so this backend always compiles.
+
+Compiling costs about 15 s per new shape on this project's CPU (about 2 s with a
+warm inductor cache), and ``create_block_mask`` about 1 s the first time. Both are
+cached here per (shapes, dtype, device, pattern): the first call for a shape logs a
+warning that a compile is coming, and :func:`is_compiled` lets ``auto`` avoid a
+backend whose next call would compile.
+
+Limits of torch 2.13 on CPU, reported by the check (a GPU has neither): the
+compiled CPU kernel runs inference only and cannot return the log-sum-exp, so
+gradients and ``return_weights`` need another backend there.
+
+Shape notation: ``N`` flattened batch, ``H`` query heads, ``L`` query length,
+``S`` key length, ``E`` head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.backends.blocks import flatten_batch, mask_spec, weights_from_lse
+from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
+from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.functional.masks import MaskPattern
+
+__all__ = ["BLOCK_SIZE", "COMPILE_SECONDS", "flex_attention", "is_compiled"]
+
+logger = logging.getLogger(__name__)
+
+#: FlexAttention's tile size (its default).
+BLOCK_SIZE = 128
+#: What a first call for a new shape costs on this project's CPU (cold inductor cache).
+COMPILE_SECONDS = 15.0
+
+_MAX_CACHED = 64
+_compiled_fn: Callable[..., Any] | None = None
+_block_masks: OrderedDict[tuple[Any, ...], tuple[MaskPattern | None, Any]] = OrderedDict()
+_compiled_keys: set[tuple[Any, ...]] = set()
+
+
+def _flex() -> Callable[..., Any]:
+    """``torch.compile(flex_attention)``, built on first use (nothing happens at import)."""
+    global _compiled_fn
+    if _compiled_fn is None:
+        from torch.nn.attention.flex_attention import flex_attention as _raw
+
+        _compiled_fn = torch.compile(_raw, dynamic=False)
+    return _compiled_fn
+
+
+def _pattern_key(pattern: MaskPattern | None) -> int:
+    return 0 if pattern is None else id(pattern)
+
+
+def _shape_key(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    pattern: MaskPattern | None,
+    is_causal: bool,
+) -> tuple[Any, ...]:
+    return (q_shape, k_shape, v_shape, dtype, str(device), _pattern_key(pattern), is_causal)
+
+
+def is_compiled(call: AttentionCall) -> bool:
+    """True when this backend has already run (compiled) a call of this shape and pattern."""
+    key = _shape_key(
+        call.query_shape,
+        call.key_shape,
+        call.value_shape,
+        call.dtype,
+        call.device,
+        call.pattern,
+        call.is_causal,
+    )
+    return key in _compiled_keys
+
+
+def _block_mask(
+    user_pattern: MaskPattern | None,
+    is_causal: bool,
+    pattern: MaskPattern,
+    n: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> Any:
+    """The cached ``BlockMask`` of ``pattern`` (= ``user_pattern``, ``& causal()`` if asked)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch = n if pattern.batch_dependent else None
+    key = (_pattern_key(user_pattern), is_causal, batch, q_len, kv_len, str(device))
+    hit = _block_masks.get(key)
+    if hit is not None:
+        _block_masks.move_to_end(key)
+        return hit[1]
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return pattern.mask_mod(b, h, q_idx, kv_idx)
+
+    bm = create_block_mask(
+        mask_mod, batch, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK_SIZE
+    )
+    # Keep the user's pattern alive with its block mask, so that its id is not reused.
+    _block_masks[key] = (user_pattern, bm)
+    if len(_block_masks) > _MAX_CACHED:
+        _block_masks.popitem(last=False)
+    return bm
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | MaskPattern | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Exact attention with compiled FlexAttention and the pattern's block mask.
+
+    Shapes and conventions as :func:`attnlab.functional.sdpa_reference`; the mask
+    must be a :class:`~attnlab.functional.masks.MaskPattern`, ``is_causal`` or None.
+
+    Returns:
+        ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)``.
+
+    Raises:
+        ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
+    """
+    if dropout_p > 0:
+        raise ValueError(f"the flex backend does not apply dropout, got dropout_p={dropout_p}")
+    if isinstance(attn_mask, Tensor):
+        raise ValueError(
+            "the flex backend takes a mask pattern (attnlab.functional.masks), got a dense "
+            f"{attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}"
+        )
+    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
+    n, L, S = q.shape[0], q.shape[2], k.shape[2]
+    user_pattern = attn_mask if isinstance(attn_mask, MaskPattern) else None
+    block_mask = None
+    if spec.pattern is not None:
+        block_mask = _block_mask(user_pattern, is_causal, spec.pattern, n, L, S, q.device)
+    shape_key = _shape_key(
+        tuple(query.shape),
+        tuple(key.shape),
+        tuple(value.shape),
+        query.dtype,
+        query.device,
+        user_pattern,
+        is_causal,
+    )
+    if shape_key not in _compiled_keys:
+        logger.warning(
+            "flex: compiling FlexAttention for query %s, key %s, %s on %s; the first call "
+            "takes ~%.0f s (later calls of this shape reuse the kernel)",
+            tuple(query.shape),
+            tuple(key.shape),
+            query.dtype,
+            query.device,
+            COMPILE_SECONDS,
+        )
+    scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    gqa = q.shape[1] != k.shape[1]
+    result = _flex()(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scale_,
+        enable_gqa=gqa,
+        return_lse=return_weights,
+    )
+    _compiled_keys.add(shape_key)
+    weights = None
+    if return_weights:
+        out, lse = result
+        kk = k if not gqa else k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        with torch.no_grad():
+            w = weights_from_lse(q.float(), kk.float(), lse.float(), spec, scale_)
+        weights = w.to(query.dtype).reshape(*query.shape[:-1], S)
+    else:
+        out = result
+    return out.reshape(*query.shape[:-1], value.shape[-1]), weights
+
+
+def _check(call: AttentionCall) -> str | None:
+    if call.dropout_p > 0:
+        return "does not apply dropout"
+    if call.mask in ("bool", "float"):
+        return "takes a mask pattern, got a dense mask"
+    if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
+        return "empty query or key sequence"
+    if call.dtype == torch.float64:
+        return "FlexAttention's compiled kernels do not take float64"
+    if call.device.type == "cpu":
+        if call.needs_grad:
+            return "compiled FlexAttention on CPU runs inference only (torch 2.13): no gradients"
+        if call.return_weights:
+            return "compiled FlexAttention on CPU cannot return the log-sum-exp for the weights"
+        if shutil.which("g++") is None and shutil.which("c++") is None:
+            return "torch.compile on CPU needs a C++ compiler, none on PATH"
+    return None
+
+
+def _cost(call: AttentionCall) -> Estimate | None:
+    est = estimate("flex", call, computed_pairs(call, BLOCK_SIZE, BLOCK_SIZE))
+    if est is None or is_compiled(call):
+        return est
+    return Estimate(
+        est.seconds + COMPILE_SECONDS,
+        f"not compiled for this shape yet, first call costs ~{COMPILE_SECONDS:.0f} s "
+        f"(then {est.note})",
+    )
+
+
+FLEX = register(
+    Backend(
+        name="flex",
+        fn=flex_attention,
+        check=_check,
+        accepts_patterns=True,
+        cost=_cost,
+        priority=20,
+        description="torch's FlexAttention, compiled, with the pattern's block mask",
+    )
+)

@@ -1,0 +1,265 @@
+"""The ``tiled`` backend: the FlashAttention algorithm, written in PyTorch.
+
+Queries are processed in blocks of ``block_q`` rows; each block meets the keys in
+blocks of ``block_k`` with an online softmax (a running row maximum ``m``, a
+running normaliser ``l`` and an unnormalised output, rescaled when the maximum
+grows), so the ``L x S`` score matrix never exists. The forward keeps only the
+output and the row log-sum-exp ``lse = m + log l``; the backward recomputes each
+tile's probabilities from ``lse`` instead of storing them (Dao et al., 2022,
+"FlashAttention: fast and memory-efficient exact attention with IO-awareness";
+Dao, 2023, "FlashAttention-2", algorithms 1 and 2). Extra memory is ``O(L + S)``
+per head plus one tile, not ``O(L * S)``.
+
+Tiles that the mask leaves empty are skipped (block-sparse FlashAttention,
+section 3.3 of the 2022 paper): a causal mask halves the work, a sliding window
+makes it linear in ``L``. Tiles the pattern attends entirely skip the element mask.
+
+This is exact attention: it equals :func:`attnlab.functional.sdpa_reference` up
+to floating-point rounding, forward and backward.
+
+Shape notation: ``N`` flattened batch, ``H`` query heads, ``L`` query length,
+``S`` key length, ``E`` head dim, ``Ev`` value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.backends.blocks import (
+    MaskSpec,
+    compute_dtype,
+    flatten_batch,
+    mask_spec,
+    masked_scores,
+    weights_from_lse,
+)
+from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
+from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.functional.attention import repeat_kv
+from attnlab.functional.masks import MaskPattern
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "tiled_attention", "tiled_forward"]
+
+#: Query rows per block. Large blocks amortise Python's per-tile overhead on CPU;
+#: one tile's scores take ``N * H * BLOCK_Q * BLOCK_K`` floats.
+BLOCK_Q = 256
+#: Keys per block.
+BLOCK_K = 256
+
+
+def _tile_lists(
+    spec: MaskSpec, block_q: int, block_k: int, device: torch.device
+) -> list[list[tuple[int, bool]]]:
+    """For each query block, the key blocks to visit and whether each is fully attended."""
+    needed, full = spec.tiles(block_q, block_k, device)
+    out: list[list[tuple[int, bool]]] = []
+    for i in range(needed.shape[0]):
+        cols = needed[i].nonzero().flatten().tolist()
+        out.append([(j, bool(full[i, j])) for j in cols])
+    return out
+
+
+def tiled_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: MaskSpec,
+    scale: float,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> tuple[Tensor, Tensor]:
+    """Forward pass with an online softmax.
+
+    Args:
+        q: ``[N, H, L, E]`` in the compute dtype.
+        k: ``[N, H, S, E]`` (key heads already matched to the query heads).
+        v: ``[N, H, S, Ev]``.
+        spec: the call's mask.
+        scale: score scale.
+        block_q: query rows per block.
+        block_k: keys per block.
+
+    Returns:
+        ``(out [N, H, L, Ev], lse [N, H, L])``; a fully masked row has ``out = 0`` and
+        ``lse = -inf``.
+    """
+    N, H, L, _ = q.shape
+    S, Ev = k.shape[2], v.shape[-1]
+    out = q.new_zeros(N, H, L, Ev)
+    lse = q.new_full((N, H, L), float("-inf"))
+    tiles = _tile_lists(spec, block_q, block_k, q.device)
+    for i, row in enumerate(tiles):
+        if not row:
+            continue
+        q0, q1 = i * block_q, min(L, (i + 1) * block_q)
+        qi = q[:, :, q0:q1] * scale  # [N, H, lq, E]
+        m = q.new_full((N, H, q1 - q0, 1), float("-inf"))
+        l = q.new_zeros(N, H, q1 - q0, 1)
+        acc = q.new_zeros(N, H, q1 - q0, Ev)
+        for j, full in row:
+            k0, k1 = j * block_k, min(S, (j + 1) * block_k)
+            s = torch.matmul(qi, k[:, :, k0:k1].transpose(-1, -2))  # [N, H, lq, lk]
+            s = masked_scores(s, spec, q0, q1, k0, k1, full)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)
+            p = s.sub_(m_safe).exp_()  # [N, H, lq, lk], unnormalised probabilities
+            alpha = torch.exp(m - m_safe)  # rescales what was accumulated so far
+            l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            acc = acc.mul_(alpha).add_(torch.matmul(p, v[:, :, k0:k1]))
+            m = m_new
+        empty = l == 0
+        out[:, :, q0:q1] = acc / l.masked_fill(empty, 1.0)
+        m_fin = m.masked_fill(torch.isneginf(m), 0.0)
+        row_lse = (m_fin + torch.log(l)).masked_fill(empty, float("-inf"))
+        lse[:, :, q0:q1] = row_lse.squeeze(-1)
+    return out, lse
+
+
+def _tiled_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    spec: MaskSpec,
+    scale: float,
+    block_q: int,
+    block_k: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward pass: recompute each tile's probabilities from ``lse`` (FlashAttention-2, alg. 2)."""
+    L, S = q.shape[2], k.shape[2]
+    delta = (dout * out).sum(dim=-1, keepdim=True)  # [N, H, L, 1]
+    lse_safe = lse.masked_fill(torch.isneginf(lse), float("inf")).unsqueeze(-1)  # [N, H, L, 1]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    tiles = _tile_lists(spec, block_q, block_k, q.device)
+    for i, row in enumerate(tiles):
+        if not row:
+            continue
+        q0, q1 = i * block_q, min(L, (i + 1) * block_q)
+        qi = q[:, :, q0:q1] * scale  # [N, H, lq, E]
+        doi = dout[:, :, q0:q1]  # [N, H, lq, Ev]
+        dqi = torch.zeros_like(qi)
+        for j, full in row:
+            k0, k1 = j * block_k, min(S, (j + 1) * block_k)
+            kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
+            s = torch.matmul(qi, kj.transpose(-1, -2))  # [N, H, lq, lk]
+            s = masked_scores(s, spec, q0, q1, k0, k1, full)
+            p = s.sub_(lse_safe[:, :, q0:q1]).exp_()  # normalised probabilities
+            dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), doi)
+            dp = torch.matmul(doi, vj.transpose(-1, -2))  # [N, H, lq, lk]
+            ds = p.mul_(dp.sub_(delta[:, :, q0:q1]))  # dS = P * (dP - rowsum(dO * O))
+            dqi += torch.matmul(ds, kj)
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qi)
+        dq[:, :, q0:q1] = dqi * scale
+    return dq, dk, dv
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Autograd wrapper: saves ``q, k, v, out, lse`` (``O(L + S)``), recomputes tiles."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spec: MaskSpec,
+        scale: float,
+        block_q: int,
+        block_k: int,
+    ) -> tuple[Tensor, Tensor]:
+        dtype = q.dtype
+        cdt = compute_dtype(dtype)
+        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        out, lse = tiled_forward(qc, kc, vc, spec, scale, block_q, block_k)
+        ctx.save_for_backward(qc, kc, vc, out, lse)
+        ctx.spec, ctx.scale, ctx.blocks, ctx.dtype = spec, scale, (block_q, block_k), dtype
+        ctx.mark_non_differentiable(lse)
+        return out.to(dtype), lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        qc, kc, vc, out, lse = ctx.saved_tensors
+        dq, dk, dv = _tiled_backward(
+            qc, kc, vc, out, lse, dout.to(qc.dtype), ctx.spec, ctx.scale, *ctx.blocks
+        )
+        d = ctx.dtype
+        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None
+
+
+def tiled_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | MaskPattern | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_weights: bool = False,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> tuple[Tensor, Tensor | None]:
+    """Exact attention by tiles with an online softmax (FlashAttention-2 in PyTorch).
+
+    Shapes and conventions as :func:`attnlab.functional.sdpa_reference`; ``attn_mask``
+    may also be a :class:`~attnlab.functional.masks.MaskPattern`, whose empty tiles
+    are skipped. ``dropout_p`` must be 0.
+
+    Returns:
+        ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)``; the weights are
+        recomputed from the saved log-sum-exp.
+
+    Raises:
+        ValueError: ``dropout_p > 0``, or a pattern built for another batch size.
+    """
+    if dropout_p > 0:
+        raise ValueError(f"the tiled backend does not apply dropout, got dropout_p={dropout_p}")
+    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
+    if q.shape[1] != k.shape[1]:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, lse = _TiledAttention.apply(q, k, v, spec, scale, block_q, block_k)
+    out = out.reshape(*query.shape[:-1], value.shape[-1])  # [B.., H, L, Ev]
+    weights = None
+    if return_weights:
+        cdt = compute_dtype(query.dtype)
+        with torch.no_grad():
+            w = weights_from_lse(q.to(cdt), k.to(cdt), lse, spec, scale)  # [N, H, L, S]
+        weights = w.to(query.dtype).reshape(*query.shape[:-1], key.shape[-2])
+    return out, weights
+
+
+def _check(call: AttentionCall) -> str | None:
+    if call.dropout_p > 0:
+        return "does not apply dropout"
+    if call.mask == "float" and call.mask_needs_grad:
+        return "gives no gradient to a float mask"
+    return None
+
+
+def _cost(call: AttentionCall) -> Estimate | None:
+    return estimate("tiled", call, computed_pairs(call, BLOCK_Q, BLOCK_K))
+
+
+TILED = register(
+    Backend(
+        name="tiled",
+        fn=tiled_attention,
+        check=_check,
+        accepts_patterns=True,
+        cost=_cost,
+        priority=30,
+        description="FlashAttention-2 tiles with an online softmax; skips masked-out tiles",
+    )
+)
