@@ -87,3 +87,13 @@ def test_fast_path_declines_what_it_does_not_cover() -> None:
     llama.eval()
     assert fast_step_for(llama, llama.new_cache(kind="static", max_length=8)) is None
     assert fast_step_for(llama, llama.new_cache()) is not None
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "bloom"])
+def test_fast_path_agrees_in_bfloat16(name: str) -> None:
+    torch.manual_seed(0)
+    model = DecoderLM(CONFIGS[name]).eval().to(torch.bfloat16)
+    ids, mask = prompts()
+    fast = generate(model, ids, 12, attention_mask=mask)
+    slow = generate(model, ids, 12, attention_mask=mask, fast_path=False)
+    assert torch.equal(fast, slow)

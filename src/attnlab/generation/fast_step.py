@@ -164,6 +164,7 @@ class FastDecodeStep:
             )
             bias = model.alibi(pos, k_pos)  # [B|1, H, 1, T+1]
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+            mask = mask.to(x.dtype)  # as the attention backends pass a float mask
         h, h_kv, hd = self.h, self.h_kv, self.hd
         for lw, lc in zip(self.layers, cache.layers):
             assert isinstance(lc, DynamicKVCache)
