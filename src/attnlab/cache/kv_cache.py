@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -267,7 +267,6 @@ class ModelCache:
 
     layers: list[KVCache]
     cross: list[CrossAttentionCache] | None = None
-    extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -289,4 +288,3 @@ class ModelCache:
             c.reset()
         for x in self.cross or []:
             x.reset()
-        self.extras.clear()

@@ -112,11 +112,15 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.tensor([prompt])
     out = sys.stdout
-    if tokenizer is not None and not model.is_encoder_decoder:
-        out.write(tokenizer.decode(prompt))
-    out.flush()
-    new: list[int] = []
+    # Decode the whole text each step and print what it adds: tokenizers join pieces
+    # (spaces, multi-byte characters) only in context.
+    context = [] if model.is_encoder_decoder else prompt
     shown = ""
+    if tokenizer is not None:
+        shown = tokenizer.decode(context)
+        out.write(shown)
+        out.flush()
+    new: list[int] = []
     for tok in model.stream(
         ids,
         args.max_new_tokens,
@@ -131,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             out.write(f" {new[-1]}")
         else:
-            text = tokenizer.decode(new)
-            out.write(text[len(shown) :])
+            text = tokenizer.decode(context + new)
+            out.write(text[len(shown) :] if text.startswith(shown) else text)
             shown = text
         out.flush()
     out.write("\n")

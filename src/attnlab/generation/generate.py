@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from attnlab.functional._checks import check_tensor
 from attnlab.functional.sampling import check_sampling, next_token
 from attnlab.functional.slot_masks import positions_from_mask
+from attnlab.generation.fast_step import fast_step_for
 
 __all__ = ["generate", "stream"]
 
@@ -90,11 +91,13 @@ def stream(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
+    fast_path: bool = True,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
 
     Arguments as :func:`generate`. Rows that have finished yield the pad token.
     """
+
     check_sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
     _check_inputs(model, input_ids, max_new_tokens, attention_mask)
     if max_new_tokens == 0:
@@ -136,15 +139,16 @@ def stream(
         full_mask[:, :p] = attention_mask
         next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    out = model(
+    logits = model(
         input_ids,
         attention_mask=full_mask[:, :p] if full_mask is not None else None,
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
-    )
+    ).logits
+    fast = fast_step_for(model, cache) if fast_path else None
     for step in range(max_new_tokens):
-        tok = choose(out.logits)
+        tok = choose(logits)
         if eos is not None:
             tok = tok.masked_fill(finished, pad_token_id)
         yield tok
@@ -155,14 +159,18 @@ def stream(
         if step + 1 == max_new_tokens:
             return
         length = p + step + 1
-        out = model(
-            tok[:, None],
-            attention_mask=full_mask[:, :length] if full_mask is not None else None,
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        mask_now = full_mask[:, :length] if full_mask is not None else None
+        if fast is not None:
+            logits = fast(tok[:, None], cache=cache, attention_mask=mask_now, position_ids=next_pos)
+        else:
+            logits = model(
+                tok[:, None],
+                attention_mask=mask_now,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
         if next_pos is not None:
             next_pos = next_pos + 1
 
@@ -195,7 +203,7 @@ def _stream_seq2seq(
     start_id = model.config.decoder_start_token_id
     tok = torch.full((b,), start_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
         out = model(
             attention_mask=attention_mask,
             decoder_input_ids=tok[:, None],
@@ -211,7 +219,6 @@ def _stream_seq2seq(
             finished |= torch.isin(tok, eos)
             if bool(finished.all()):
                 return
-        del step
 
 
 def generate(
@@ -228,6 +235,7 @@ def generate(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
+    fast_path: bool = True,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -247,6 +255,8 @@ def generate(
         pad_token_id: the filler after EOS (default: the config's, else the EOS id, else 0).
         cache: a :class:`~attnlab.cache.ModelCache` to use (default: a fresh one sized
             for the prompt and the new tokens).
+        fast_path: decode with :class:`~attnlab.generation.fast_step.FastDecodeStep`
+            where it applies (same results; False runs every step through the modules).
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
@@ -272,6 +282,7 @@ def generate(
             generator,
             pad_token_id=pad_token_id,
             cache=cache,
+            fast_path=fast_path,
         )
     )
     if getattr(model, "is_encoder_decoder", False):
