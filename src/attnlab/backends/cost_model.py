@@ -64,7 +64,7 @@ def units(call: AttentionCall, pairs: float) -> float:
 def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
     """Pairs per head a block-sparse backend with ``block_q x block_k`` tiles computes."""
     L, S = call.query_shape[-2], call.key_shape[-2]
-    pattern = call.pattern
+    pattern = call.pattern._unscored() if call.pattern is not None else None
     if call.is_causal:
         pattern = causal() if pattern is None else pattern & causal()
     if pattern is None or L == 0 or S == 0:

@@ -103,6 +103,7 @@ def tiled_forward(
         for j, full in row:
             k0, k1 = j * block_k, min(S, (j + 1) * block_k)
             s = torch.matmul(qi, k[:, :, k0:k1].transpose(-1, -2))  # [N, H, lq, lk]
+            s, _ = spec.modify(s, q0, q1, k0, k1)
             s = masked_scores(s, spec, q0, q1, k0, k1, full)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)
@@ -150,11 +151,14 @@ def _tiled_backward(
             k0, k1 = j * block_k, min(S, (j + 1) * block_k)
             kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
             s = torch.matmul(qi, kj.transpose(-1, -2))  # [N, H, lq, lk]
+            s, deriv = spec.modify(s, q0, q1, k0, k1, derivative=True)
             s = masked_scores(s, spec, q0, q1, k0, k1, full)
             p = s.sub_(lse_safe[:, :, q0:q1]).exp_()  # normalised probabilities
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), doi)
             dp = torch.matmul(doi, vj.transpose(-1, -2))  # [N, H, lq, lk]
             ds = p.mul_(dp.sub_(delta[:, :, q0:q1]))  # dS = P * (dP - rowsum(dO * O))
+            if deriv is not None:  # through the score modifiers (chain rule)
+                ds = ds.mul_(deriv)
             dqi += torch.matmul(ds, kj)
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qi)
         dq[:, :, q0:q1] = dqi * scale
