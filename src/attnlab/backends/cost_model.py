@@ -35,7 +35,7 @@ from attnlab.functional.masks import MaskPattern, causal
 if TYPE_CHECKING:
     from attnlab.backends.registry import AttentionCall
 
-__all__ = ["Estimate", "computed_pairs", "estimate", "units"]
+__all__ = ["Estimate", "computed_pairs", "estimate", "format_seconds", "units"]
 
 _MAX_CACHED = 128
 _pairs_cache: OrderedDict[tuple[object, ...], tuple[MaskPattern | None, float]] = OrderedDict()
@@ -52,6 +52,13 @@ class Estimate:
 
     seconds: float
     note: str = ""
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0123 -> "12.3 ms"``, ``5.2 -> "5.2 s"``."""
+    if seconds >= 1.0:
+        return f"{seconds:.3g} s"
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def units(call: AttentionCall, pairs: float) -> float:
@@ -97,7 +104,8 @@ def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None
         seconds += (
             units(call, call.query_shape[-2] * call.key_shape[-2]) * table["weights"]["fwd"][1]
         )
-    note = f"~{seconds * 1e3:.3g} ms for {pairs / max(1, call.query_shape[-2] * call.key_shape[-2]):.0%} of the pairs"
+    share = pairs / max(1, call.query_shape[-2] * call.key_shape[-2])
+    note = f"~{format_seconds(seconds)} for {share:.0%} of the pairs"
     if call.device.type not in cost_constants.CONSTANTS:
         note += f" (constants measured on cpu, not {call.device.type})"
     return Estimate(seconds, note)

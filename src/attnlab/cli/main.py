@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: list[str] = ["demo"]
+SUBCOMMANDS: list[str] = ["demo", "backends"]
 
 
 def build_parser() -> argparse.ArgumentParser:
