@@ -397,11 +397,68 @@ def calibrate() -> None:
     print("    },")
 
 
+def targets(rounds: int) -> dict:
+    """The issue's target cells, measured in one process, alternating backends, best of ``rounds``.
+
+    On a shared machine the fresh-process cells of :func:`full_run` are measured minutes
+    apart under different loads; here each round runs every contender back to back,
+    so the ratios compare like with like.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from attnlab.functional import masks, scaled_dot_product_attention
+
+    def best(fns: dict, n: int) -> dict[str, float]:
+        out = dict.fromkeys(fns, math.inf)
+        for _ in range(n):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                out[name] = min(out[name], time.perf_counter() - t0)
+        return out
+
+    res: dict = {}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        q, k, v = (torch.randn(1, HEADS, 4096, HEAD_DIM) for _ in range(3))
+        fns = {
+            "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            **{
+                b: (lambda b=b: scaled_dot_product_attention(q, k, v, is_causal=True, backend=b))
+                for b in ("tiled", "flex", "auto")
+            },
+        }
+        for fn in fns.values():
+            fn()  # warm-up, compiles flex
+        res["causal_4096"] = best(fns, rounds)
+        print("causal 4096:", res["causal_4096"], flush=True)
+        window = masks.sliding_window(WINDOW - 1)
+        for L in (16384, 32768):
+            q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM) for _ in range(3))
+            fns = {
+                b: (lambda b=b: scaled_dot_product_attention(q, k, v, window, backend=b))
+                for b in ("tiled", "sparse", "flex", "auto")
+            }
+            if L == 16384:
+                dense = window.to_dense(L, L)
+                fns["torch"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+            for fn in fns.values():
+                fn()
+            res[f"window_{L}"] = best(fns, rounds if L == 16384 else max(1, rounds - 1))
+            print(f"window {L}:", res[f"window_{L}"], flush=True)
+            del fns
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="lengths 512..2048 only")
     ap.add_argument("--calibrate", action="store_true", help="print cost-model constants")
     ap.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
+    ap.add_argument(
+        "--targets", type=int, metavar="ROUNDS", help="the issue's target cells, alternating, in-process"
+    )
     ap.add_argument("--backends", nargs="*", default=BACKENDS)
     ap.add_argument("--device", default=None, help="cpu (default) or cuda; cells inherit it")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
@@ -419,6 +476,12 @@ def main() -> None:
         return
     if args.calibrate:
         calibrate()
+        return
+    if args.targets:
+        out = ROOT / "build" / "bench"
+        out.mkdir(parents=True, exist_ok=True)
+        res = targets(args.targets)
+        (out / "targets.json").write_text(json.dumps(res, indent=1))
         return
     out = ROOT / "build" / "bench"
     out.mkdir(parents=True, exist_ok=True)
