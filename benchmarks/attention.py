@@ -24,6 +24,7 @@ The full run writes ``build/bench/attention.json``, the plot
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -437,12 +438,12 @@ def targets(rounds: int) -> dict:
         for L in (16384, 32768):
             q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM) for _ in range(3))
             fns = {
-                b: (lambda b=b: scaled_dot_product_attention(q, k, v, window, backend=b))
+                b: functools.partial(scaled_dot_product_attention, q, k, v, window, backend=b)
                 for b in ("tiled", "sparse", "flex", "auto")
             }
             if L == 16384:
                 dense = window.to_dense(L, L)
-                fns["torch"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+                fns["torch"] = functools.partial(F.scaled_dot_product_attention, q, k, v, dense)
             for fn in fns.values():
                 fn()
             res[f"window_{L}"] = best(fns, rounds if L == 16384 else max(1, rounds - 1))
@@ -457,7 +458,10 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true", help="print cost-model constants")
     ap.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
     ap.add_argument(
-        "--targets", type=int, metavar="ROUNDS", help="the issue's target cells, alternating, in-process"
+        "--targets",
+        type=int,
+        metavar="ROUNDS",
+        help="the issue's target cells, alternating, in-process",
     )
     ap.add_argument("--backends", nargs="*", default=BACKENDS)
     ap.add_argument("--device", default=None, help="cpu (default) or cuda; cells inherit it")
