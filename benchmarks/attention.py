@@ -14,6 +14,7 @@ Usage::
     PYTHONPATH=src python benchmarks/attention.py            # the full run (long)
     PYTHONPATH=src python benchmarks/attention.py --quick    # 512..2048, a smoke test
     PYTHONPATH=src python benchmarks/attention.py --calibrate  # constants for auto
+    PYTHONPATH=src python benchmarks/attention.py --device cuda --calibrate  # on a GPU
 
 The full run writes ``build/bench/attention.json``, the plot
 ``docs/attention_backends.png`` and its table into ``docs/benchmarks.md`` under
@@ -23,6 +24,7 @@ The full run writes ``build/bench/attention.json``, the plot
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -67,8 +69,12 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
 
     from attnlab.functional import masks, scaled_dot_product_attention
 
+    device = torch.device(os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu"))
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM, requires_grad=bwd) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, HEADS, L, HEAD_DIM, device=device, requires_grad=bwd) for _ in range(3)
+    )
     pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
     dense = pattern.to_dense(L, L) if (backend == "torch" and pattern is not None) else None
 
@@ -91,21 +97,30 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
         else:
             with torch.no_grad():
                 call()
+        if cuda:
+            torch.cuda.synchronize()
 
     if backend == "auto" and not bwd and mask == "window":
         # A long-running job has compiled flex for its shape after the first call;
         # without this, auto (rightly) avoids flex's ~15 s first-call compile.
         with torch.no_grad():
             scaled_dot_product_attention(q, k, v, attn_mask=pattern, backend="flex")
-    base = _reset_peak()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _reset_peak()
     t0 = time.perf_counter()
     step()  # warm-up: compiles flex, sets the peak memory
     first = time.perf_counter() - t0
-    peak = _status_bytes("VmHWM") - base
-    if backend == "flex":  # the compile's own memory is in the first call: measure again
-        base = _reset_peak()
-        step()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
         peak = _status_bytes("VmHWM") - base
+        if backend == "flex":  # the compile's own memory is in the first call: measure again
+            base = _reset_peak()
+            step()
+            peak = _status_bytes("VmHWM") - base
     times = [first]
     if first < 30:
         times = []
@@ -345,7 +360,8 @@ def calibrate() -> None:
                         print(f"# {backend} {mask} {L} {bwd}: {r}", file=sys.stderr)
                         continue
                     pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
-                    x = torch.zeros(1, HEADS, L, HEAD_DIM)
+                    dev = os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu")
+                    x = torch.zeros(1, HEADS, L, HEAD_DIM, device=dev)
                     call = AttentionCall.from_inputs(
                         x,
                         x,
@@ -382,12 +398,73 @@ def calibrate() -> None:
     print("    },")
 
 
+def targets(rounds: int) -> dict:
+    """The issue's target cells, measured in one process, alternating backends, best of ``rounds``.
+
+    On a shared machine the fresh-process cells of :func:`full_run` are measured minutes
+    apart under different loads; here each round runs every contender back to back,
+    so the ratios compare like with like.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from attnlab.functional import masks, scaled_dot_product_attention
+
+    def best(fns: dict, n: int) -> dict[str, float]:
+        out = dict.fromkeys(fns, math.inf)
+        for _ in range(n):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                out[name] = min(out[name], time.perf_counter() - t0)
+        return out
+
+    res: dict = {}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        q, k, v = (torch.randn(1, HEADS, 4096, HEAD_DIM) for _ in range(3))
+        fns = {
+            "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            **{
+                b: (lambda b=b: scaled_dot_product_attention(q, k, v, is_causal=True, backend=b))
+                for b in ("tiled", "flex", "auto")
+            },
+        }
+        for fn in fns.values():
+            fn()  # warm-up, compiles flex
+        res["causal_4096"] = best(fns, rounds)
+        print("causal 4096:", res["causal_4096"], flush=True)
+        window = masks.sliding_window(WINDOW - 1)
+        for L in (16384, 32768):
+            q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM) for _ in range(3))
+            fns = {
+                b: functools.partial(scaled_dot_product_attention, q, k, v, window, backend=b)
+                for b in ("tiled", "sparse", "flex", "auto")
+            }
+            if L == 16384:
+                dense = window.to_dense(L, L)
+                fns["torch"] = functools.partial(F.scaled_dot_product_attention, q, k, v, dense)
+            for fn in fns.values():
+                fn()
+            res[f"window_{L}"] = best(fns, rounds if L == 16384 else max(1, rounds - 1))
+            print(f"window {L}:", res[f"window_{L}"], flush=True)
+            del fns
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="lengths 512..2048 only")
     ap.add_argument("--calibrate", action="store_true", help="print cost-model constants")
     ap.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
+    ap.add_argument(
+        "--targets",
+        type=int,
+        metavar="ROUNDS",
+        help="the issue's target cells, alternating, in-process",
+    )
     ap.add_argument("--backends", nargs="*", default=BACKENDS)
+    ap.add_argument("--device", default=None, help="cpu (default) or cuda; cells inherit it")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/")
     ap.add_argument("--from-json", type=Path, help="only rebuild the report from a saved run")
@@ -395,12 +472,20 @@ def main() -> None:
         "--cell", nargs=4, metavar=("BACKEND", "MASK", "L", "BWD"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
+    if args.device:
+        os.environ["ATTNLAB_BENCH_DEVICE"] = args.device
     if args.cell:
         b, m, L, bwd = args.cell
         print(json.dumps(run_cell(b, m, int(L), bwd == "1", reps=3)))
         return
     if args.calibrate:
         calibrate()
+        return
+    if args.targets:
+        out = ROOT / "build" / "bench"
+        out.mkdir(parents=True, exist_ok=True)
+        res = targets(args.targets)
+        (out / "targets.json").write_text(json.dumps(res, indent=1))
         return
     out = ROOT / "build" / "bench"
     out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from attnlab.backends.sparse import sparse_attention
 from attnlab.backends.tiled import tiled_attention
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional.score_mods import alibi, softcap
 
 
 def budget(n: int) -> settings:
@@ -129,6 +130,10 @@ def cases(draw: st.DrawFn, dense: bool = False) -> dict:
             mask = mask.masked_fill(torch.rand(L, S, generator=g) > 0.7, float("-inf"))
     else:
         mask = draw(st.one_of(st.none(), patterns(max(L, S), batch)))
+        mods = draw(st.sampled_from([(), ("alibi",), ("softcap",), ("alibi", "softcap")]))
+        if mods:
+            chosen = [alibi(heads) if m == "alibi" else softcap(1.5) for m in mods]
+            mask = (mask or M.full()).with_scores(*chosen)
     return {
         "shape": (batch, heads, h_kv, L, S, E, Ev),
         "dtype": dtype,
@@ -155,8 +160,16 @@ def _reference(case: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     mask = case["mask"]
     L, S = q.shape[-2], k.shape[-2]
     dense = mask.to_dense(L, S) if isinstance(mask, M.MaskPattern) else mask
+    mods = mask.score_mods if isinstance(mask, M.MaskPattern) else ()
     out, _ = sdpa_reference(
-        q, k, v, dense, is_causal=case["is_causal"], scale=case["scale"], enable_gqa=True
+        q,
+        k,
+        v,
+        dense,
+        is_causal=case["is_causal"],
+        scale=case["scale"],
+        enable_gqa=True,
+        score_mods=mods,
     )
     return out
 
@@ -276,6 +289,7 @@ def test_weights_recomputed_from_lse(case: dict, backend: str) -> None:
         k,
         v,
         dense,
+        score_mods=mask.score_mods if isinstance(mask, M.MaskPattern) else (),
         is_causal=case["is_causal"],
         scale=case["scale"],
         enable_gqa=True,

@@ -50,22 +50,26 @@ def test_gradcheck_with_float_mask_and_masked_rows() -> None:
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def test_skips_tiles_the_pattern_leaves_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window of 4 over 64 positions in 8 x 8 tiles visits at most 2 key tiles per row."""
-    visited: list[int] = []
+@pytest.mark.parametrize("max_span", [8, 4096])
+def test_skips_tiles_the_pattern_leaves_empty(
+    monkeypatch: pytest.MonkeyPatch, max_span: int
+) -> None:
+    """A window of 4 over 64 positions in 8 x 8 tiles: 2 key tiles per query block at most."""
+    visited: list[tuple[int, int]] = []
     real = blocks.masked_scores
 
     def counting(scores, spec, q0, q1, k0, k1, full):  # type: ignore[no-untyped-def]
-        visited.append(k0)
+        visited.append((k0, k1))
         return real(scores, spec, q0, q1, k0, k1, full)
 
     monkeypatch.setattr("attnlab.backends.tiled.masked_scores", counting)
+    monkeypatch.setattr("attnlab.backends.tiled.MAX_SPAN", max_span)
     q = torch.randn(1, 1, 64, 4)
     spec = blocks.mask_spec(M.sliding_window(3), False, tuple(q.shape), 64)
     tiled_forward(q, q, q, spec, 0.5, block_q=8, block_k=8)
-    assert (
-        len(visited) == 8 + 7
-    )  # the diagonal tile of each row, and the one before it (not the first)
+    # the first query block meets its own key tile, every other one two tiles
+    assert sum(k1 - k0 for k0, k1 in visited) == 8 + 7 * 16
+    assert len(visited) == (8 + 7 if max_span == 8 else 8)  # merged into one span per block
 
 
 def test_full_tiles_skip_the_element_mask() -> None:

@@ -51,6 +51,7 @@ _MAX_CACHED = 64
 _compiled_fn: Callable[..., Any] | None = None
 _block_masks: OrderedDict[tuple[Any, ...], tuple[MaskPattern | None, Any]] = OrderedDict()
 _compiled_keys: set[tuple[Any, ...]] = set()
+_score_fns: OrderedDict[int, tuple[MaskPattern | None, Callable[..., Tensor]]] = OrderedDict()
 
 
 def _flex() -> Callable[..., Any]:
@@ -125,6 +126,25 @@ def _block_mask(
     return bm
 
 
+def _score_mod(pattern: MaskPattern | None) -> Callable[..., Tensor]:
+    """One ``score_mod`` function per pattern: a new function object would recompile."""
+    key = _pattern_key(pattern)
+    hit = _score_fns.get(key)
+    if hit is not None:
+        return hit[1]
+    mods = pattern.score_mods if pattern is not None else ()
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        for m in mods:
+            score = m(score, b, h, q_idx, kv_idx)
+        return score
+
+    _score_fns[key] = (pattern, score_mod)
+    if len(_score_fns) > _MAX_CACHED:
+        _score_fns.popitem(last=False)
+    return score_mod
+
+
 def flex_attention(
     query: Tensor,
     key: Tensor,
@@ -183,10 +203,12 @@ def flex_attention(
         )
     scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gqa = q.shape[1] != k.shape[1]
+    score_mod = _score_mod(user_pattern) if spec.score_mods else None
     result = _flex()(
         q,
         k,
         v,
+        score_mod=score_mod,
         block_mask=block_mask,
         scale=scale_,
         enable_gqa=gqa,

@@ -18,6 +18,8 @@ from attnlab.functional.masks import causal_mask
 
 
 def _check(call: AttentionCall) -> str | None:
+    if call.pattern is not None and call.pattern.score_mods:
+        return f"cannot apply score modifiers {list(call.pattern.score_mods)} inside torch's kernel"
     if call.return_weights:
         return "torch's kernel does not return attention weights"
     if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
