@@ -131,6 +131,16 @@ MEMORY_CASES = {
     ),
     # torch's fused kernel: no score matrix saved
     "sdpa-tiled": dict(hidden_size=256, num_attention_heads=4, batch=2, seq=512, backend="sdpa"),
+    # torch's kernel with attention dropout falls back to its math path (weights saved)
+    "sdpa-dropout-fallback": dict(
+        hidden_size=256,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        batch=4,
+        seq=256,
+        backend="sdpa",
+    ),
     # per-layer gradient checkpointing (torch.utils.checkpoint around each layer)
     "reference-checkpointed": dict(
         hidden_size=128, num_attention_heads=4, batch=2, seq=512, backend="reference", ckpt=True

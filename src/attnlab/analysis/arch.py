@@ -58,6 +58,8 @@ class ArchSpec:
             self- and cross-attention); 0 for encoder-only and decoder-only models.
         attention_dropout: dropout probability on attention weights (training).
         hidden_dropout: dropout probability on sublayer outputs (training).
+        extra_parameters: parameters outside the pattern above (T5's relative-position
+            bias tables...).
     """
 
     name: str
@@ -89,6 +91,7 @@ class ArchSpec:
     num_decoder_layers: int = 0
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    extra_parameters: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -202,6 +205,74 @@ def _encoder(config: Any) -> ArchSpec:
     )
 
 
+def _decoder(config: Any) -> ArchSpec:
+    pos = config.position_embedding
+    out_bias = config.attention_out_bias
+    return ArchSpec(
+        name=f"decoder ({pos}, {config.mlp} FFN"
+        + (f", window {config.sliding_window})" if config.sliding_window else ")"),
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        ffn="gated" if config.mlp == "gated" else "standard",
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        activation=config.hidden_act,
+        causal=True,
+        position=pos,
+        max_positions=config.max_position_embeddings,
+        learned_positions=pos == "learned",
+        type_vocab_size=0,
+        norm="rmsnorm" if config.norm == "rmsnorm" else "layernorm",
+        embedding_norm=config.embedding_norm,
+        final_norm=True,
+        attention_bias=config.attention_bias,
+        attention_out_bias=config.attention_bias if out_bias is None else out_bias,
+        mlp_bias=config.mlp_bias,
+        lm_head=True,
+        tied_embeddings=config.tie_word_embeddings,
+        window=config.sliding_window,
+        attention_dropout=config.attention_dropout,
+        hidden_dropout=config.hidden_dropout,
+    )
+
+
+def _seq2seq(config: Any) -> ArchSpec:
+    pos = config.position_embedding
+    relative = pos == "t5_relative"
+    return ArchSpec(
+        name=f"encoder-decoder ({pos})",
+        num_layers=config.num_layers,
+        hidden_size=config.d_model,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_heads,
+        head_dim=config.d_kv,
+        ffn="gated" if config.mlp == "gated" else "standard",
+        intermediate_size=config.d_ff,
+        vocab_size=config.vocab_size,
+        activation=config.dense_act_fn,
+        causal=False,
+        position="relative" if relative else pos,
+        max_positions=config.max_position_embeddings,
+        learned_positions=pos == "learned",
+        norm="rmsnorm" if config.norm == "rmsnorm" else "layernorm",
+        final_norm=config.norm_position == "pre",
+        attention_bias=config.bias,
+        attention_out_bias=config.bias,
+        mlp_bias=config.bias,
+        lm_head=True,
+        tied_embeddings=config.tie_word_embeddings,
+        num_decoder_layers=config.num_decoder_layers,
+        hidden_dropout=config.dropout_rate,
+        # one bucket table per stack (encoder: bidirectional, decoder: causal)
+        extra_parameters=2 * config.relative_attention_num_buckets * config.num_heads
+        if relative
+        else 0,
+    )
+
+
 _BUILTIN_DONE = False
 
 
@@ -211,8 +282,12 @@ def _register_builtin() -> None:
     if _BUILTIN_DONE:
         return
     from attnlab.models.config import EncoderConfig
+    from attnlab.models.decoder_config import DecoderConfig
+    from attnlab.models.seq2seq_config import Seq2SeqConfig
 
     _ADAPTERS.setdefault(EncoderConfig, _encoder)
+    _ADAPTERS.setdefault(DecoderConfig, _decoder)
+    _ADAPTERS.setdefault(Seq2SeqConfig, _seq2seq)
     _BUILTIN_DONE = True
 
 

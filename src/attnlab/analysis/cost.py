@@ -98,6 +98,9 @@ class BackendTraits:
             training (None: as without dropout). torch's fused CPU kernels fall back to
             the math path with dropout, which saves the weights, the dropout mask (float
             on CPU) and the dropped weights.
+        transient_score_tensors: score-sized gradients alive at once at the peak of the
+            backward of a materialised attention (the reference's composite softmax makes
+            about 3; torch's math path about 1).
         block: ``(block_q, block_k)`` tile of a tile-skipping kernel: masked work is
             skipped per tile, so the pairs computed are counted per tile (None: exactly
             the pattern's density).
@@ -112,6 +115,7 @@ class BackendTraits:
     backward_factor: float = 2.0
     linear: bool = False
     dropout_score_tensors: float | None = None
+    transient_score_tensors: float = 3.0
     block: tuple[int, int] | None = None
     description: str = ""
 
@@ -134,6 +138,7 @@ BACKEND_TRAITS: dict[str, BackendTraits] = {
         skips="causal",
         backward_factor=2.5,
         dropout_score_tensors=3.0,
+        transient_score_tensors=1.0,
         description="torch's fused kernel: tiles, skips causal blocks, recomputes in backward",
     ),
     # issue 4's backends: tiles in PyTorch (FlashAttention-2), gathered key blocks,
@@ -364,8 +369,9 @@ def parameter_count(spec: ArchSpec) -> int:
         total += spec.max_positions * d
     total += spec.type_vocab_size * d
     total += norm * (int(spec.embedding_norm) + int(spec.final_norm))
-    if spec.num_decoder_layers:
-        total += norm  # the decoder stack's final norm
+    if spec.num_decoder_layers and spec.final_norm:
+        total += norm  # the decoder stack's final norm (the encoder's is counted above)
+    total += spec.extra_parameters
     if spec.lm_head and not spec.tied_embeddings:
         total += v * d
     if spec.pooler:
@@ -514,9 +520,8 @@ def _layer_saved(
     n_scores = traits.score_tensors_saved
     if training and spec.attention_dropout > 0 and traits.dropout_score_tensors is not None:
         n_scores = traits.dropout_score_tensors
-    # the layer's input (the projections' input) and the concatenated q/k/v weight that the
-    # fused projection builds on each call
-    proj = t * d + d * (spec.q_dim + 2 * spec.kv_dim)
+    # the layer's input, saved once for the q, k and v projections that all read it
+    proj = float(t * d)
     if n_scores:
         # contiguous copies of q, kᵀ and v (k and v repeated to H heads for GQA), the
         # score-sized tensors in float32, the concatenated heads before out_proj
@@ -526,7 +531,7 @@ def _layer_saved(
         out["attention_scores"] = pairs * score_bpe * (n_scores - 1)
         out["softmax"] = pairs * score_bpe * 1.0
     else:
-        # q, k, v views of the fused projection (kept alive whole), out, logsumexp (float32)
+        # q, k, v (views of the projections' outputs), out, logsumexp (float32)
         proj += t * spec.q_dim + 2 * tk * spec.kv_dim + t * spec.q_dim
         out["attention_v"] = sh.b * spec.num_heads * sh.lq * 4.0
     out["projections"] = proj * bpe
@@ -661,10 +666,18 @@ def estimate(
     if backend not in BACKEND_TRAITS:
         notes.append(f"no traits registered for backend {backend!r}: costed like 'sdpa'")
 
-    # -- the self-attention shape of the (decoder or encoder) stack
+    # -- the self-attention shape of the (decoder or encoder) stack; an encoder-decoder's
+    # decoder runs over target_len tokens (decode: target_len already decoded)
     decode = mode == "decode"
-    lq = new_tokens if decode else seq_len
-    context = seq_len + new_tokens if decode else seq_len
+    encdec = spec.num_decoder_layers > 0
+    self_len = seq_len
+    if encdec:
+        self_len = target_len if target_len is not None else (0 if decode else seq_len)
+        if self_len < 0 or (self_len == 0 and not decode):
+            raise ValueError(f"target_len must be a positive int, got {target_len!r}")
+        spec = spec.with_(causal=True)  # the decoder's self-attention
+    lq = new_tokens if decode else self_len
+    context = self_len + new_tokens if decode else self_len
     q_offset = context - lq
     # keys the attention runs over (stored) and slots the cache allocates (cache_slots)
     stored = cache_slots = context
@@ -680,10 +693,10 @@ def estimate(
             if spec.window is None:
                 raise ValueError("cache='sliding' needs a window (config or window=)")
             # SlidingWindowKVCache keeps the last W slots and appends the new ones to them
-            stored = cache_slots = min(seq_len, spec.window) + lq
+            stored = cache_slots = min(self_len, spec.window) + lq
         else:
             capacity = context if cache_capacity is None else cache_capacity
-            cache_slots = _dynamic_slots(seq_len, lq, capacity)
+            cache_slots = _dynamic_slots(self_len, lq, capacity)
     if mask is not None:
         density = float(mask.density(lq, context, q_offset=q_offset))
         masked = True if masked is None else masked
@@ -724,16 +737,16 @@ def estimate(
                 fwd_mm += n * mm
 
     n_self = spec.num_layers
-    if spec.num_decoder_layers:
-        tgt = target_len or seq_len
+    extra: tuple[tuple[int, ArchSpec, _Shape, bool], ...] = ()
+    if encdec:
         enc_shape = _Shape(b=batch_size, lq=seq_len, s=seq_len, density=1.0)
         if not decode:
-            add_layers(spec.num_layers, enc_shape, None)
-            dec_self = _Shape(
-                b=batch_size, lq=tgt, s=tgt, density=_causal_density(tgt, tgt, 0), causal=True
-            )
-        else:
-            dec_self = self_shape
+            # the encoder is bidirectional
+            enc_spec = spec.with_(causal=False)
+            for comp, (mm, ew_) in _layer_flops(enc_spec, enc_shape, traits, masked=False).items():
+                by[comp].add(mm=spec.num_layers * mm, ew=spec.num_layers * ew_)
+                fwd_mm += spec.num_layers * mm
+        dec_self = self_shape
         # the encoder output is projected once per sequence (cached while decoding)
         cross = _Shape(
             b=batch_size,
@@ -745,6 +758,10 @@ def estimate(
         )
         add_layers(spec.num_decoder_layers, dec_self, cross)
         n_self = spec.num_decoder_layers
+        extra = (
+            (spec.num_layers, spec.with_(causal=False), enc_shape, True),
+            (spec.num_decoder_layers, spec, cross, False),
+        )
         head_tokens = batch_size * dec_self.lq
     else:
         add_layers(spec.num_layers, self_shape, None)
@@ -807,7 +824,15 @@ def estimate(
     for label, tr in (("materialised", BACKEND_TRAITS["reference"]), ("tiled", _TILED)):
         for ckpt in (False, True) if training else (False,):
             val, comps = _activations(
-                spec, self_shape, tr, bpe, mode, n_self, checkpointing=ckpt, head_tokens=head_tokens
+                spec,
+                self_shape,
+                tr,
+                bpe,
+                mode,
+                n_self,
+                checkpointing=ckpt,
+                head_tokens=head_tokens,
+                extra=extra,
             )
             key = label + ("+checkpointing" if ckpt else "")
             variants[key] = int(val)
@@ -820,6 +845,7 @@ def estimate(
         n_self,
         checkpointing=checkpointing and training,
         head_tokens=head_tokens,
+        extra=extra,
     )
     chosen = int(act)
     for name, b in comps.items():
@@ -856,10 +882,6 @@ def estimate(
     )
 
 
-#: Score-sized gradients alive at once at the peak of a materialised attention's backward.
-TRANSIENT_SCORES = 3.0
-
-
 def _activations(
     spec: ArchSpec,
     sh: _Shape,
@@ -870,8 +892,13 @@ def _activations(
     *,
     checkpointing: bool,
     head_tokens: int,
+    extra: tuple[tuple[int, ArchSpec, _Shape, bool], ...] = (),
 ) -> tuple[float, dict[str, float]]:
-    """Peak activation bytes and their split by component."""
+    """Peak activation bytes and their split by component.
+
+    ``extra`` adds other layer kinds kept for the backward pass: ``(count, spec, shape,
+    with_ffn)`` (an encoder-decoder's encoder layers and cross-attention sublayers).
+    """
     t = sh.b * sh.lq
     d, f, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     _, _, pairs = _attention_work(spec, sh, traits, spec.causal)
@@ -893,6 +920,12 @@ def _activations(
             comps = {"lm_head": hidden + logits}
         return peak, comps
     per_layer = _layer_saved(spec, sh, traits, bpe, training=True)
+    for count, x_spec, x_shape, with_ffn in extra:
+        x_saved = _layer_saved(x_spec, x_shape, traits, bpe, training=True)
+        if not with_ffn:
+            x_saved.pop("feed_forward")
+        for name, b in x_saved.items():
+            per_layer[name] = per_layer.get(name, 0.0) + b * count / n_layers
     layer_total = sum(per_layer.values())
     # embeddings: the norm's input and the output (the first layer's input)
     emb = float(2 * t * d * bpe if spec.embedding_norm else t * d * bpe)
@@ -905,9 +938,12 @@ def _activations(
     # weights of one layer (materialised) or a few hidden-sized gradients (tiled)
     full_pairs = sh.b * spec.num_heads * sh.lq * sh.s
     if "softmax" in per_layer:
-        transient = TRANSIENT_SCORES * full_pairs * (4 if bpe < 4 else bpe) + 4 * t * d * bpe
+        n_tr = traits.transient_score_tensors
+        transient = n_tr * full_pairs * (4 if bpe < 4 else bpe) + 4 * t * d * bpe
     else:
-        transient = 4 * t * d * bpe + t * f * bpe
+        # a few hidden-sized gradients; with checkpointing, also the recomputed layer's
+        # feed-forward intermediate alive next to them
+        transient = 4 * t * d * bpe + (t * f * bpe if checkpointing else 0)
     if checkpointing:
         kept = n_layers * t * d * bpe
         saved = kept + layer_total
