@@ -931,9 +931,11 @@ def _activations(
     emb = float(2 * t * d * bpe if spec.embedding_norm else t * d * bpe)
     if spec.hidden_dropout > 0:
         emb += t * d * bpe  # the embedding dropout's mask
-    logits = 0.0
+    # a cross-entropy loss over every position keeps the logits and the log-probabilities,
+    # and the backward starts with two gradients of that size
+    logits = logits_grad = 0.0
     if spec.lm_head:
-        logits = head_tokens * v * bpe * 2.0  # logits and their gradient
+        logits = logits_grad = head_tokens * v * bpe * 2.0
     # transient at the start of the backward pass: the gradient of the scores and of the
     # weights of one layer (materialised) or a few hidden-sized gradients (tiled)
     full_pairs = sh.b * spec.num_heads * sh.lq * sh.s
@@ -956,8 +958,12 @@ def _activations(
     comps["embeddings"] = emb
     if logits:
         comps["lm_head"] = logits
-    peak = saved + emb + logits + transient
-    comps["attention_scores"] = comps.get("attention_scores", 0.0) + transient
+    # the LM head's gradients come first and are freed before the layers' backward begins
+    peak = saved + emb + logits + max(transient, logits_grad)
+    if transient >= logits_grad:
+        comps["attention_scores"] = comps.get("attention_scores", 0.0) + transient
+    else:
+        comps["lm_head"] = comps.get("lm_head", 0.0) + logits_grad
     return peak, comps
 
 
