@@ -419,10 +419,40 @@ def _causal_density(q_len: int, kv_len: int, q_offset: int) -> float:
     return _window_density(q_len + kv_len + q_offset + 1, q_len, kv_len, q_offset)
 
 
-def _resolve_backend(backend: str, mode: str) -> str:
-    if backend == "auto":
-        return "sdpa"
-    return backend
+def _resolve_backend(
+    backend: str, spec: ArchSpec, *, batch: int, lq: int, s: int, mode: str, dtype: str, mask: Any
+) -> str:
+    """The backend ``auto`` would choose for this model's self-attention calls.
+
+    Asks the registry (:mod:`attnlab.backends`: its calibrated choice, or the backend
+    set with ``attnlab.backends.use``) about a call of this shape; this imports torch.
+    """
+    if backend != "auto":
+        return backend
+    import torch
+
+    from attnlab.backends.registry import AttentionCall, _choose
+    from attnlab.functional import masks
+
+    pattern = mask
+    if pattern is None and spec.window is not None:
+        pattern = masks.sliding_window(spec.window - 1)  # a causal window of W keys
+    decode = mode == "decode"
+    call = AttentionCall(
+        query_shape=(batch, spec.num_heads, lq, spec.head_dim),
+        key_shape=(batch, spec.num_kv_heads, s, spec.head_dim),
+        value_shape=(batch, spec.num_kv_heads, s, spec.head_dim),
+        dtype=getattr(torch, dtype),
+        device=torch.device("cpu"),
+        mask="bool" if decode else ("pattern" if pattern is not None else "none"),
+        pattern=None if decode else pattern,
+        is_causal=spec.causal and pattern is None and not decode,
+        dropout_p=spec.attention_dropout if mode == "training" else 0.0,
+        enable_gqa=spec.num_kv_heads != spec.num_heads,
+        needs_grad=mode == "training",
+        return_weights=False,
+    )
+    return _choose(call, "auto").chosen
 
 
 def _traits(backend: str) -> BackendTraits:
@@ -657,14 +687,11 @@ def estimate(
     if cache not in ("dynamic", "static", "sliding"):
         raise ValueError(f"cache must be 'dynamic', 'static' or 'sliding', got {cache!r}")
     dtype_name, bpe = _dtype(dtype)
-    backend = _resolve_backend(backend, mode)
-    traits = _traits(backend)
+    requested = backend
     if window is not None:
         spec = spec.with_(window=window, causal=True)
     training = mode == "training"
     notes: list[str] = []
-    if backend not in BACKEND_TRAITS:
-        notes.append(f"no traits registered for backend {backend!r}: costed like 'sdpa'")
 
     # -- the self-attention shape of the (decoder or encoder) stack; an encoder-decoder's
     # decoder runs over target_len tokens (decode: target_len already decoded)
@@ -722,7 +749,14 @@ def estimate(
         q_offset=q_offset,
         structured=mask is None and spec.pattern_density is None,
     )
-    # backends that skip work skip it on the executed keys of a sliding cache too
+    backend = _resolve_backend(
+        requested, spec, batch=batch_size, lq=lq, s=stored, mode=mode, dtype=dtype_name, mask=mask
+    )
+    traits = _traits(backend)
+    if requested == "auto":
+        notes.append(f"auto resolves to {backend!r} for this shape")
+    if backend not in BACKEND_TRAITS:
+        notes.append(f"no traits registered for backend {backend!r}: costed like 'sdpa'")
     by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}
     fwd_mm = 0.0
 
