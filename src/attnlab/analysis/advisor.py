@@ -16,12 +16,15 @@ bfloat16, and the attention timings of :data:`CPU_ATTENTION_MS`. On ``cuda`` it 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from attnlab.analysis.arch import ArchSpec, describe, preset
 from attnlab.analysis.cost import CostReport, estimate, human_bytes, human_flops
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CPU_ATTENTION_MS", "TASKS", "Advice", "Recommendation", "advise"]
 
@@ -377,7 +380,11 @@ def advise(
     )
 
     # -- backend -------------------------------------------------------------------------------
-    recs.append(_backend_rec(best, seq_len, device))
+    recs.append(
+        _calibrated_backend_rec(best, spec, seq_len, batch_size, training)
+        if device == "cpu"
+        else _backend_rec(best, seq_len, device)
+    )
     # -- positions -----------------------------------------------------------------------------
     limit = spec.max_positions or 512
     table_params = seq_len * spec.hidden_size
@@ -600,6 +607,51 @@ def _plan(
 
 def _gbps(device: str) -> float:
     return (CPU_GBPS if device == "cpu" else CUDA_GBPS) * 1e9
+
+
+def _calibrated_backend_rec(
+    best: _Plan, spec: ArchSpec, seq_len: int, batch_size: int, training: bool
+) -> Recommendation:
+    """Ask ``auto`` (its per-backend constants were measured on the project's machine)
+    which backend runs one layer's attention of the chosen plan fastest, and quote it."""
+    try:
+        import torch
+
+        from attnlab.backends.registry import AttentionCall, _choose
+        from attnlab.functional import masks
+
+        pattern = masks.sliding_window(best.window - 1) if best.window else None
+        call = AttentionCall(
+            query_shape=(batch_size, spec.num_heads, seq_len, spec.head_dim),
+            key_shape=(batch_size, spec.num_kv_heads, seq_len, spec.head_dim),
+            value_shape=(batch_size, spec.num_kv_heads, seq_len, spec.head_dim),
+            dtype=getattr(torch, best.dtype),
+            device=torch.device("cpu"),
+            mask="pattern" if pattern is not None else "none",
+            pattern=pattern,
+            is_causal=spec.causal and pattern is None,
+            dropout_p=0.0,
+            enable_gqa=spec.num_kv_heads != spec.num_heads,
+            needs_grad=training,
+            return_weights=False,
+        )
+        why = _choose(call, "auto")
+    except Exception:  # the registry's model is an aid, never a reason to fail
+        logger.debug("calibrated backend choice failed", exc_info=True)
+        return _backend_rec(best, seq_len, "cpu")
+    others = [
+        f"{name}: {text}"
+        for name, text in why.reasons.items()
+        if name != why.chosen and "approximate" not in text
+    ]
+    chosen_text = why.reasons.get(why.chosen, "")
+    est = chosen_text.split("chosen, ", 1)[-1].split(":")[0]
+    reason = (
+        f"per layer{' (forward + backward)' if training else ''}, auto's cost model, whose "
+        f"constants were measured on this machine, estimates {why.chosen} at {est}; "
+        + "; ".join(others[:3])
+    )
+    return Recommendation("backend", why.chosen, reason)
 
 
 def _backend_rec(best: _Plan, seq_len: int, device: str) -> Recommendation:

@@ -110,6 +110,7 @@ def scaling_table(
                 seq_len=n,
                 mode="decode",
                 dtype="float16",
+                backend=backend,
                 cache="sliding" if spec.window else "dynamic",
             )
             attn = (
