@@ -166,3 +166,38 @@ def test_watch_alone_and_stats_errors() -> None:
         diagnose("model", _inputs())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="inputs must be a mapping"):
         diagnose(model, [1, 2])  # type: ignore[arg-type]
+
+
+def test_decoders_and_encoder_decoders() -> None:
+    from attnlab.models.decoder import DecoderLM
+    from attnlab.models.decoder_config import DecoderConfig
+    from attnlab.models.seq2seq import Seq2SeqLM
+    from attnlab.models.seq2seq_config import Seq2SeqConfig
+
+    small = dict(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    llama = DecoderLM(DecoderConfig.llama(num_key_value_heads=2, **small)).eval()  # type: ignore[arg-type]
+    ids = torch.randint(0, 100, (2, 9))
+    healthy = diagnose(llama, {"input_ids": ids})
+    assert healthy.ok and len(healthy.heads) == 2 * 4
+    # causal: the first query can only attend to itself
+    assert all(h.max_weight < 1 for h in healthy.heads) and healthy.heads[0].rows == 18
+    with torch.no_grad():
+        llama.layers[1].feed_forward.gate_proj.weight[0, 0] = float("nan")
+    sick = diagnose(llama, {"input_ids": ids})
+    assert sick.first_nonfinite_module == "layers.1.feed_forward.gate_proj"
+    t5 = Seq2SeqLM(
+        Seq2SeqConfig.t5(vocab_size=100, d_model=32, num_heads=4, d_ff=48, num_layers=2)
+    ).eval()
+    report = diagnose(
+        t5, {"input_ids": torch.randint(2, 100, (2, 7)), "decoder_input_ids": ids[:, :5]}
+    )
+    modules = {h.module for h in report.heads}
+    assert {"encoder_layers.0.attention", "decoder_layers.1.cross_attention"} <= modules
+    assert report.ok and "decoder_layers.0.self_attention" in report.summary()

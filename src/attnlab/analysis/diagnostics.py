@@ -106,15 +106,16 @@ class DiagnosisReport:
         """Plain data for ``json.dumps``."""
         return asdict(self)
 
-    def layer_summary(self) -> list[dict[str, float]]:
+    def layer_summary(self) -> list[dict[str, Any]]:
         """Per layer: the worst row-sum error and the means of the head statistics."""
-        out: list[dict[str, float]] = []
+        out: list[dict[str, Any]] = []
         layers = sorted({h.layer for h in self.heads})
         for layer in layers:
             hs = [h for h in self.heads if h.layer == layer]
             out.append(
                 {
                     "layer": layer,
+                    "module": hs[0].module,
                     "row_sum_error": max(h.row_sum_error for h in hs),
                     "entropy": sum(h.entropy for h in hs) / len(hs),
                     "max_weight": sum(h.max_weight for h in hs) / len(hs),
@@ -130,14 +131,17 @@ class DiagnosisReport:
         lines += [str(i) for i in self.issues]
         if self.heads:
             lines.append("")
+            rows = self.layer_summary()
+            width = max(len("module"), *(len(r["module"]) for r in rows))
             lines.append(
-                "layer  row-sum err  entropy  max weight  first-token share  fully masked rows"
+                f"layer  {'module':<{width}}  row-sum err  entropy  max weight  "
+                "first-token share  fully masked rows"
             )
-            for row in self.layer_summary():
+            for row in rows:
                 lines.append(
-                    f"{int(row['layer']):>5}  {row['row_sum_error']:11.2e}  {row['entropy']:7.3f}  "
-                    f"{row['max_weight']:10.3f}  {row['first_token_share']:17.3f}  "
-                    f"{int(row['fully_masked_rows']):>17}"
+                    f"{int(row['layer']):>5}  {row['module']:<{width}}  {row['row_sum_error']:11.2e}  "
+                    f"{row['entropy']:7.3f}  {row['max_weight']:10.3f}  "
+                    f"{row['first_token_share']:17.3f}  {int(row['fully_masked_rows']):>17}"
                 )
         return "\n".join(lines)
 
