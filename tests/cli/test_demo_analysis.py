@@ -23,3 +23,15 @@ def test_demo_adds_explorer_cost_table_and_index(
     assert "824,633,720,832" in page  # the cost table, on the index page too
     explorer = (out / "explorer.html").read_text()
     assert '"tokens":["[CLS]","time","flies","like","an","arrow","[SEP]"]' in explorer
+
+
+def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["demo", "--out", str(tmp_path), "--no-compare", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["tokens"][:2] == ["[CLS]", "time"]
+    assert data["index"].endswith("index.html") and "824,633,720,832" in data["cost_table"]
+    assert "1. Tokens" in data["walkthrough"]
+    assert "[4/4] done" in captured.err

@@ -35,6 +35,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="skip loading the transformers model for the parity check",
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON summary (tokens, parity differences, files, cost table) instead of "
+        "the walk-through; progress goes to stderr",
+    )
     p.set_defaults(func=run)
 
 
@@ -43,6 +49,27 @@ def _rule(title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "json", False):
+        return _run(args, {})
+    import contextlib
+    import io
+    import json
+
+    summary: dict[str, Any] = {}
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = _run(args, summary)
+    summary["walkthrough"] = text.getvalue()
+    print(json.dumps(summary, indent=2))
+    return code
+
+
+def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
+    """The walk-through; fills ``summary`` for ``--json`` (and shows progress then)."""
+    from attnlab.cli._common import Progress
+
+    progress = Progress(4 if args.no_compare else 5, quiet=not getattr(args, "json", False))
+    progress.step("loading all-MiniLM-L6-v2")
     import torch
 
     import attnlab
@@ -97,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         out / "simple_attention.png",
     )
 
+    summary["tokens"] = tokens
+    progress.step("running the model, drawing the heads")
     _rule("3. The real model: all-MiniLM-L6-v2 in attnlab")
     cfg = model.config
     print(
@@ -130,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if not args.no_compare:
+        progress.step("comparing with transformers")
         _rule("4. attnlab vs transformers on the same weights")
         hf = tf.BertModel.from_pretrained(path, attn_implementation="eager").eval()
         with torch.no_grad():
@@ -146,7 +176,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"max |difference| of last_hidden_state, reference backend: {diff:.2e}")
         print(f"max |difference| of last_hidden_state, default backend:   {diff_fast:.2e}")
         print(f"max |difference| of attention weights, all layers:         {diff_att:.2e}")
+        summary["max_abs_difference"] = {
+            "last_hidden_state_reference": diff,
+            "last_hidden_state_default": diff_fast,
+            "attentions": diff_att,
+        }
 
+    progress.step("writing the explorer and the cost table")
     _rule("5. Explore it yourself")
     from attnlab.viz.explorer import write_explorer
     from attnlab.viz.report import IndexEntry, write_index
@@ -187,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
     for p in sorted([*out.glob("*.png"), out / "explorer.html"]):
         print(f"  {p}")
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
+    summary["index"] = str(index)
+    summary["files"] = [str(p) for p in sorted(out.iterdir())]
+    summary["cost_table"] = cost_text
+    progress.step("done")
     return 0
 
 
