@@ -626,7 +626,7 @@ def estimate(
     mask: Any = None,
     window: int | None = None,
     masked: bool | None = None,
-    cache: str = "dynamic",
+    cache: str | None = None,
     cache_capacity: int | None = None,
 ) -> CostReport:
     """Estimate FLOPs and memory of a model without running it.
@@ -652,7 +652,8 @@ def estimate(
         window: a causal sliding window of ``window`` keys (overrides the config's).
         masked: whether a mask is applied (adds the masking FLOPs); default: when there is
             a causal mask, a window or a pattern.
-        cache: decode: the KV cache, as attnlab's caches allocate it: ``"dynamic"``
+        cache: decode: the KV cache, as attnlab's caches allocate it (default: what
+            ``DecoderLM.new_cache()`` builds, sliding for a windowed model): ``"dynamic"``
             (``DynamicKVCache``: ``cache_capacity`` slots preallocated, doubling when
             exceeded, after a prefill of ``seq_len`` tokens; ``"contiguous"`` is an alias),
             ``"static"`` (``StaticKVCache``: ``cache_capacity`` slots, all attended) or
@@ -682,6 +683,8 @@ def estimate(
         raise ValueError(
             f"optimizer must be 'adamw', 'adam', 'sgd', 'momentum' or None, got {optimizer!r}"
         )
+    if cache is None:  # what DecoderLM.new_cache() builds
+        cache = "sliding" if spec.window is not None or window is not None else "dynamic"
     if cache == "contiguous":
         cache = "dynamic"
     if cache not in ("dynamic", "static", "sliding"):
