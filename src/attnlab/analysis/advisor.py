@@ -8,9 +8,13 @@ memory and latency; where the numbers disagree with the rule of thumb, the numbe
 the reason says so.
 
 Speeds: on ``cpu`` the advisor uses figures measured on the project's machine (2 cores,
-torch 2.13, float32; ``shared/NOTES.md``): about 175 GFLOP/s for float32 matmuls, 400 for
-bfloat16, and the attention timings of :data:`CPU_ATTENTION_MS`. On ``cuda`` it assumes
-:data:`CUDA_TFLOPS` at 40% utilisation (stated in the reason: no measurement backs it).
+torch 2.13, float32; ``shared/NOTES.md``): about 175 GFLOP/s for float32 matmuls and 400
+for bfloat16, and for the backend it asks ``auto``'s cost model, whose per-backend
+constants were measured there (:mod:`attnlab.backends.cost_constants`), falling back to
+the attention timings of :data:`CPU_ATTENTION_MS`. Decoding is costed per generated
+token as its FLOPs plus reading the weights and the KV cache at :data:`CPU_GBPS`
+(assumed). On ``cuda`` it assumes :data:`CUDA_TFLOPS` at 40% utilisation and
+:data:`CUDA_GBPS` (stated in the reasons: no measurement backs them).
 """
 
 from __future__ import annotations
