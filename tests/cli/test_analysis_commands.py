@@ -121,3 +121,40 @@ def test_visualize_writes_a_folder_with_an_index(
         assert Path(f).exists()
     names = {p.name for p in out.iterdir()}
     assert {"explorer.html", "entropy.png", "mean_distance.png", "first_token_share.png"} <= names
+
+
+def test_estimate_from_config_files(
+    tmp_path: Path, minilm_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attnlab.models.decoder_config import DecoderConfig
+
+    # a transformers model folder: the real MiniLM, its pooler found in the weights
+    assert main(["estimate", "--config", str(minilm_path), "--seq-len", "128", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameter_count"] == 22_713_216
+    cfg = DecoderConfig.mistral(
+        sliding_window=16,
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+    )
+    (tmp_path / "mistral.json").write_text(json.dumps(cfg.to_dict()))
+    args = [
+        "estimate",
+        "--config",
+        str(tmp_path / "mistral.json"),
+        "--seq-len",
+        "100",
+        "--mode",
+        "decode",
+        "--json",
+    ]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["arch"]["window"] == 16
+    assert data["kv_cache_bytes"] == 2 * 2 * 2 * 16 * (16 + 1) * 4  # sliding cache, by default
+    (tmp_path / "bad.json").write_text('{"hidden_size": "x"}')
+    assert main(["estimate", "--config", str(tmp_path / "bad.json"), "--seq-len", "8"]) == 2
+    assert "is not a config attnlab reads" in capsys.readouterr().err

@@ -32,7 +32,11 @@ def add_parser(sub: Any) -> None:
         help="architecture: tutorial (BERT-base sizes), bert-base, minilm, gpt2, llama-2-7b, "
         "llama-3-8b, mistral-7b (default: tutorial)",
     )
-    p.add_argument("--config", help="a config JSON file (EncoderConfig fields) instead of --preset")
+    p.add_argument(
+        "--config",
+        help="instead of --preset: a config JSON (attnlab's EncoderConfig, DecoderConfig or "
+        "Seq2SeqConfig fields, or a Hugging Face config.json / model folder)",
+    )
     p.add_argument("--seq-len", type=int, help="one sequence length: print a full report")
     p.add_argument("--batch-size", type=int, default=1, help="sequences (default 1)")
     p.add_argument(
@@ -62,13 +66,62 @@ def _spec(args: argparse.Namespace) -> Any:
     from attnlab.analysis.arch import describe, preset
 
     if args.config:
-        from pathlib import Path
-
-        from attnlab.models.config import EncoderConfig
-
-        data = json.loads(Path(args.config).read_text())
-        return describe(EncoderConfig.from_dict(data))
+        return describe(config_from_file(args.config))
     return preset(args.preset)
+
+
+def config_from_file(path: str) -> Any:
+    """An attnlab config from a JSON file: attnlab's own fields (encoder, decoder or
+    encoder-decoder), or a Hugging Face ``config.json`` (a model folder works too).
+
+    Raises:
+        ValueError: a file that none of them reads (the message says what each said).
+    """
+    from pathlib import Path
+
+    from attnlab.models.config import EncoderConfig
+    from attnlab.models.decoder_config import DecoderConfig
+    from attnlab.models.seq2seq_config import Seq2SeqConfig
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read a JSON config from {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds {type(data).__name__}, not a JSON object")
+    errors = []
+    if "model_type" in data:  # a transformers config
+        from attnlab.interop.hf import _converter
+
+        arch = (data.get("architectures") or [data["model_type"]])[0]
+        try:
+            return _converter(str(data["model_type"]), arch).config_from_hf(
+                data, _weight_names(file.parent)
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            errors.append(f"transformers config: {e}")
+    for cls in (EncoderConfig, DecoderConfig, Seq2SeqConfig):
+        try:
+            return cls.from_dict(data)  # type: ignore[attr-defined]
+        except (ValueError, TypeError) as e:
+            errors.append(f"{cls.__name__}: {e}")
+    raise ValueError(f"{path} is not a config attnlab reads: " + "; ".join(errors))
+
+
+def _weight_names(folder: Any) -> set[str]:
+    """Tensor names in the folder's safetensors files, read from their headers only."""
+    names: set[str] = set()
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        return names
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    return names
 
 
 def _b(n: float) -> str:
