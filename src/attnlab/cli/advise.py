@@ -45,6 +45,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from attnlab.analysis.advisor import advise
     from attnlab.analysis.arch import preset
+    from attnlab.cli.estimate import config_from_file
+
+    if args.preset and args.config:
+        raise ValueError("pass --preset or --config, not both")
+    base = preset(args.preset) if args.preset else None
+    if args.config:
+        base = config_from_file(args.config)
 
     advice = advise(
         args.task,
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         latency_ms=args.latency_ms,
         device=args.device,
         batch_size=args.batch_size,
-        base=preset(args.preset) if args.preset else None,
+        base=base,
         mode=args.mode,
     )
     if args.json:
