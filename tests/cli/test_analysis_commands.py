@@ -158,3 +158,11 @@ def test_estimate_from_config_files(
     (tmp_path / "bad.json").write_text('{"hidden_size": "x"}')
     assert main(["estimate", "--config", str(tmp_path / "bad.json"), "--seq-len", "8"]) == 2
     assert "is not a config attnlab reads" in capsys.readouterr().err
+
+
+def test_advise_from_a_model_folder(minilm_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["advise", "--task", "classification", "--seq-len", "256", "--memory-gb", "1"]
+    assert main([*args, "--config", str(minilm_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["arch"]["hidden_size"] == 384 and data["estimate"]["parameter_count"] == 22_713_216
+    assert main([*args, "--config", str(minilm_path), "--preset", "gpt2"]) == 2

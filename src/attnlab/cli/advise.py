@@ -38,6 +38,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="sequences at once (default 1)")
     p.add_argument("--mode", choices=["training", "inference"], help="override what is costed")
     p.add_argument("--preset", help="start from this architecture (see attnlab estimate --help)")
+    p.add_argument(
+        "--config",
+        help="start from this config JSON (attnlab's, or a Hugging Face config.json / folder)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
 
