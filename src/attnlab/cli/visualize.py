@@ -50,10 +50,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--text has {n} tokens; the explorer shows at most {MAX_TOKENS}")
     tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
     progress.step(f"running {name} on {n} tokens")
-    with torch.no_grad():
-        out = model(**batch, output_attentions=True)
+    if getattr(model, "is_encoder_decoder", False):
+        with torch.no_grad():
+            start = torch.full((1, 1), model.config.decoder_start_token_id)
+            out = model(**batch, decoder_input_ids=start, output_attentions=True)
+        attentions = out.encoder_attentions  # the encoder's self-attention over the text
+    else:
+        with torch.no_grad():
+            out = model(**batch, output_attentions=True)
+        attentions = out.attentions
+    if not attentions:
+        raise ValueError(f"{name} returned no attention weights to draw")
     progress.step("drawing")
-    layers = list(out.attentions)
+    layers = list(attentions)
 
     def tick(layer: int) -> None:
         progress.tick(layer + 1, len(layers), "layers drawn")
