@@ -14,7 +14,8 @@ import torch
 
 import attnlab.backends as backends
 from attnlab.analysis.arch import ArchSpec, describe
-from attnlab.analysis.cost import _window_density, estimate
+from attnlab.analysis.cost import estimate
+from attnlab.analysis.cost_layers import window_density
 from attnlab.analysis.measure import count_matmul_flops
 from attnlab.functional import masks
 from attnlab.models import EncoderConfig, EncoderModel
@@ -240,7 +241,7 @@ def test_window_density_closed_form_equals_counting() -> None:
         q = torch.arange(q_len)[:, None] + off
         k = torch.arange(kv_len)[None]
         dense = ((k <= q) & (k > q - w)).double().mean().item()
-        assert _window_density(w, q_len, kv_len, off) == pytest.approx(dense, abs=1e-12)
+        assert window_density(w, q_len, kv_len, off) == pytest.approx(dense, abs=1e-12)
 
 
 def test_window_and_pattern_scale_attention_for_skipping_backends_only() -> None:
