@@ -31,6 +31,7 @@ per-layer formulas and the backends' traits live in :mod:`attnlab.analysis.cost_
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -48,6 +49,7 @@ from attnlab.analysis.cost_layers import (
     layer_saved,
     parameter_count,
     register_backend_traits,
+    tile_pairs,
     traits_of,
     window_density,
 )
@@ -245,39 +247,43 @@ def human_flops(n: float) -> str:
 
 
 def _resolve_backend(
-    backend: str, spec: ArchSpec, *, batch: int, lq: int, s: int, mode: str, dtype: str, mask: Any
+    backend: str, spec: ArchSpec, shape: LayerShape, *, mode: str, patterned: bool
 ) -> str:
     """The backend ``auto`` would choose for this model's self-attention calls.
 
-    Asks the registry (:mod:`attnlab.backends`: its calibrated choice, or the backend
-    set with ``attnlab.backends.use``) about a call of this shape; this imports torch.
+    A backend set with ``attnlab.backends.use`` wins. Otherwise the choice follows the
+    registry's calibrated model (:mod:`attnlab.backends.cost_model`): for each exact backend
+    with measured constants, ``overhead + units * seconds_per_unit`` with
+    ``units = B * H * pairs * 2E / 128`` and the pairs it computes (whole tiles for the
+    tile-skipping ones, from :func:`tile_pairs`: closed form, no mask is built).
+    FlexAttention is left out: on CPU it compiles per shape (seconds) and has no backward.
     """
     if backend != "auto":
         return backend
-    import torch
+    registry = sys.modules.get("attnlab.backends.registry")
+    if registry is not None and registry.current() != "auto":
+        return str(registry.current())
+    from attnlab.backends.cost_constants import CONSTANTS
 
-    from attnlab.backends.registry import AttentionCall, _choose
-    from attnlab.functional import masks
-
-    pattern = mask
-    if pattern is None and spec.window is not None:
-        pattern = masks.sliding_window(spec.window - 1)  # a causal window of W keys
-    decode = mode == "decode"
-    call = AttentionCall(
-        query_shape=(batch, spec.num_heads, lq, spec.head_dim),
-        key_shape=(batch, spec.num_kv_heads, s, spec.head_dim),
-        value_shape=(batch, spec.num_kv_heads, s, spec.head_dim),
-        dtype=getattr(torch, dtype),
-        device=torch.device("cpu"),
-        mask="bool" if decode else ("pattern" if pattern is not None else "none"),
-        pattern=None if decode else pattern,
-        is_causal=spec.causal and pattern is None and not decode,
-        dropout_p=spec.attention_dropout if mode == "training" else 0.0,
-        enable_gqa=spec.num_kv_heads != spec.num_heads,
-        needs_grad=mode == "training",
-        return_weights=False,
-    )
-    return _choose(call, "auto").chosen
+    table = CONSTANTS["cpu"]
+    best, best_s = "sdpa", float("inf")
+    full = float(shape.lq * shape.s)
+    for name, traits in BACKEND_TRAITS.items():
+        if name not in table or name == "flex" or traits.linear:
+            continue
+        overhead, per_unit = table[name]["fwd_bwd" if mode == "training" else "fwd"]
+        if traits.skips == "pattern" and traits.block is not None and not patterned:
+            pairs = tile_pairs(shape, *traits.block)
+        elif traits.skips == "pattern" or (
+            traits.skips == "causal" and shape.causal and shape.window is None and not patterned
+        ):
+            pairs = full * shape.density
+        else:
+            pairs = full
+        seconds = overhead + shape.b * spec.num_heads * pairs * 2 * spec.head_dim / 128 * per_unit
+        if seconds < best_s:
+            best, best_s = name, seconds
+    return best
 
 
 # --------------------------------------------------------------------------- estimate
@@ -425,11 +431,11 @@ def estimate(
         structured=mask is None and spec.pattern_density is None,
     )
     backend = _resolve_backend(
-        requested, spec, batch=batch_size, lq=lq, s=stored, mode=mode, dtype=dtype_name, mask=mask
+        requested, spec, self_shape, mode=mode, patterned=not self_shape.structured
     )
     traits = traits_of(backend)
     if requested == "auto":
-        notes.append(f"auto resolves to {backend!r} for this shape")
+        notes.append(f"auto resolves to {backend!r} for this shape (calibrated constants)")
     if backend not in BACKEND_TRAITS:
         notes.append(f"no traits registered for backend {backend!r}: costed like 'sdpa'")
     by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}
