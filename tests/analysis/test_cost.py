@@ -338,3 +338,16 @@ def test_tile_skipping_backends_count_whole_tiles() -> None:
         spec.with_(window=300), seq_len=5000, mode="decode", cache="sliding", backend="tiled"
     )
     assert step.by_component["attention_scores"].matmul_flops == 2 * 12 * 12 * 64 * 1 * 301
+
+
+def test_auto_follows_the_calibrated_choice_and_use() -> None:
+    from attnlab.analysis.arch import preset
+
+    mistral = preset("mistral-7b")  # a 4096-key window
+    assert estimate(mistral, seq_len=512).backend == "sdpa"  # the window covers everything
+    assert estimate(mistral, seq_len=32768).backend == "tiled"  # most tiles are empty
+    r = estimate(mistral, seq_len=32768)
+    assert any("auto resolves to 'tiled'" in n for n in r.notes)
+    with backends.use("reference"):
+        assert estimate(mistral, seq_len=512).backend == "reference"
+    assert estimate(mistral, seq_len=512, backend="sparse").backend == "sparse"
