@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -37,8 +38,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--padded", action="store_true", help="pad half of each batch row's tokens")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall-clock time, or this process's CPU time (with --threads 1: robust to other load)",
+    )
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     import transformers
 
@@ -68,7 +79,7 @@ def main() -> None:
         diff = ours(**batch).last_hidden_state - hf_sdpa(**batch).last_hidden_state
         real = mask.bool()
         max_diff = diff[real].abs().max().item()
-        times = time_interleaved(fns, rounds=args.rounds, warmup=2)
+        times = time_interleaved(fns, rounds=args.rounds, warmup=2, clock=clock)
     peer = median_ms(times["transformers sdpa"])
     rows = [
         "| implementation | median ms | ratio to transformers sdpa |",
@@ -85,10 +96,13 @@ def main() -> None:
     if args.write:
         cmd = f"python benchmarks/encoder.py --batch {args.batch} --seq {args.seq} --rounds {args.rounds}"
         cmd += " --padded" if args.padded else ""
+        cmd += f" --threads {args.threads}" if args.threads else ""
+        cmd += f" --clock {args.clock}"
         write_section(
             "## Encoder (issue 2)",
             f"all-MiniLM-L6-v2, batch {args.batch} x {args.seq} tokens"
-            f"{' (padded rows)' if args.padded else ''}, float32, inference mode; {machine_line()}.\n"
+            f"{' (padded rows)' if args.padded else ''}, float32, inference mode, {args.clock} clock; "
+            f"{machine_line()}.\n"
             f"Command: `{cmd} --write` (median of {args.rounds} interleaved rounds).\n\n"
             f"{table}\n\nmax |attnlab - transformers| on real tokens: {max_diff:.1e}.",
         )
