@@ -69,6 +69,8 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
 
     from attnlab.functional import masks, scaled_dot_product_attention
 
+    if os.environ.get("ATTNLAB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
     device = torch.device(os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu"))
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -419,7 +421,9 @@ def targets(rounds: int) -> dict:
                 out[name] = min(out[name], time.perf_counter() - t0)
         return out
 
-    res: dict = {}
+    if os.environ.get("ATTNLAB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
+    res: dict = {"threads": torch.get_num_threads()}
     torch.manual_seed(0)
     with torch.no_grad():
         q, k, v = (torch.randn(1, HEADS, 4096, HEAD_DIM) for _ in range(3))
@@ -465,6 +469,10 @@ def main() -> None:
     )
     ap.add_argument("--backends", nargs="*", default=BACKENDS)
     ap.add_argument("--device", default=None, help="cpu (default) or cuda; cells inherit it")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads in every cell (default: torch's)"
+    )
+    ap.add_argument("--out", type=Path, default=None, help="results file (default build/bench/)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/")
     ap.add_argument("--from-json", type=Path, help="only rebuild the report from a saved run")
@@ -474,6 +482,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.device:
         os.environ["ATTNLAB_BENCH_DEVICE"] = args.device
+    if args.threads:
+        os.environ["ATTNLAB_BENCH_THREADS"] = str(args.threads)
     if args.cell:
         b, m, L, bwd = args.cell
         print(json.dumps(run_cell(b, m, int(L), bwd == "1", reps=3)))
@@ -485,7 +495,7 @@ def main() -> None:
         out = ROOT / "build" / "bench"
         out.mkdir(parents=True, exist_ok=True)
         res = targets(args.targets)
-        (out / "targets.json").write_text(json.dumps(res, indent=1))
+        (args.out or out / "targets.json").write_text(json.dumps(res, indent=1))
         return
     out = ROOT / "build" / "bench"
     out.mkdir(parents=True, exist_ok=True)
@@ -493,7 +503,8 @@ def main() -> None:
         results = json.loads(args.from_json.read_text())
     else:
         lengths = args.lengths or ([512, 1024, 2048] if args.quick else LENGTHS)
-        results = full_run(lengths, args.backends, out / "attention.json", args.timeout)
+        results = full_run(lengths, args.backends, args.out or out / "attention.json", args.timeout)
+        results["threads"] = args.threads
     text = report(results)
     print(text)
     if not args.no_docs and not args.quick:
