@@ -331,8 +331,12 @@ def write_section(text: str, md: Path) -> None:
 # ------------------------------------------------------------------- calibrate
 
 
-def calibrate() -> None:
-    """Fit ``overhead + seconds_per_unit * units`` per backend and pass; print the table."""
+def calibrate(rounds: int = 2) -> None:
+    """Fit ``overhead + seconds_per_unit * units`` per backend and pass; print the table.
+
+    Measured in this process, every backend of a cell back to back and the best of
+    ``rounds`` kept, so that all backends of a cell see the same machine load.
+    """
     import torch
 
     from attnlab.backends import AttentionCall
@@ -340,62 +344,69 @@ def calibrate() -> None:
     from attnlab.backends.flex import BLOCK_SIZE
     from attnlab.backends.sparse import BLOCK
     from attnlab.backends.tiled import BLOCK_K, BLOCK_Q
-    from attnlab.functional import masks
+    from attnlab.functional import masks, scaled_dot_product_attention
 
-    blocks = {
-        "tiled": (BLOCK_Q, BLOCK_K),
-        "sparse": (BLOCK, BLOCK),
-        "flex": (BLOCK_SIZE, BLOCK_SIZE),
-    }
+    if os.environ.get("ATTNLAB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
+    dev = os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu")
+    blocks = {"tiled": (BLOCK_Q, BLOCK_K), "sparse": (BLOCK, BLOCK), "flex": (BLOCK_SIZE, BLOCK_SIZE)}
+    points: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+    plan = [(False, 2048), (False, 8192), (True, 1024), (True, 2048)]
+    for bwd, L in plan:
+        for mask in ("causal", "window"):
+            pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM, device=dev, requires_grad=bwd) for _ in range(3))
+            names = ["sdpa", "tiled", "sparse"] + ([] if bwd else ["flex"])
+            if L <= 2048:
+                names.append("reference")
+
+            def run(name: str) -> float:
+                t0 = time.perf_counter()
+                with torch.set_grad_enabled(bwd):
+                    out = scaled_dot_product_attention(
+                        q, k, v, pattern, is_causal=mask == "causal", backend=name
+                    )
+                    if bwd:
+                        out.sum().backward()  # type: ignore[union-attr]
+                return time.perf_counter() - t0
+
+            for name in names:
+                run(name)  # warm-up (compiles flex)
+            best = dict.fromkeys(names, math.inf)
+            for _ in range(rounds):
+                for name in names:
+                    best[name] = min(best[name], run(name))
+            call = AttentionCall.from_inputs(
+                q, k, v, pattern, dropout_p=0.0, is_causal=mask == "causal",
+                enable_gqa=False, return_weights=False,
+            )
+            for name in names:
+                if name in blocks:
+                    pairs = computed_pairs(call, *blocks[name])
+                elif name == "sdpa" and mask == "causal":
+                    pairs = L * L / 2
+                else:
+                    pairs = L * L
+                points.setdefault((name, bwd), []).append((units(call, pairs), best[name]))
+            line = ", ".join(f"{n} {best[n] * 1e3:.1f}" for n in names)
+            print(f"# {mask} L={L} {'fwd+bwd' if bwd else 'fwd'} (ms): {line}", file=sys.stderr, flush=True)
     table: dict[str, dict[str, tuple[float, float]]] = {}
-    for backend in ["reference", "sdpa", "tiled", "sparse", "flex"]:
-        table[backend] = {}
-        for bwd in (False, True):
-            if backend == "flex" and bwd:
-                table[backend]["fwd_bwd"] = (1e-3, 3 * table[backend]["fwd"][1])
-                continue
-            pts = []
-            for mask in ("causal", "window"):
-                for L in (1024, 2048):
-                    r = _subprocess_cell(backend, mask, L, bwd, 600)
-                    if "seconds" not in r:
-                        print(f"# {backend} {mask} {L} {bwd}: {r}", file=sys.stderr)
-                        continue
-                    pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
-                    dev = os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu")
-                    x = torch.zeros(1, HEADS, L, HEAD_DIM, device=dev)
-                    call = AttentionCall.from_inputs(
-                        x,
-                        x,
-                        x,
-                        pattern,
-                        dropout_p=0.0,
-                        is_causal=mask == "causal",
-                        enable_gqa=False,
-                        return_weights=False,
-                    )
-                    if backend in blocks:
-                        pairs = computed_pairs(call, *blocks[backend])
-                    elif backend == "sdpa" and mask == "causal":
-                        pairs = L * L / 2
-                    else:
-                        pairs = L * L
-                    pts.append((units(call, pairs), r["seconds"]))
-                    print(
-                        f"# {backend} {mask} L={L} bwd={bwd}: {r['seconds'] * 1e3:.1f} ms",
-                        file=sys.stderr,
-                    )
-            # least squares through the points, overhead clamped at >= 0
-            n = len(pts)
-            mx = sum(p[0] for p in pts) / n
-            my = sum(p[1] for p in pts) / n
-            sxx = sum((p[0] - mx) ** 2 for p in pts) or 1.0
-            slope = max(sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx, 1e-12)
-            icpt = max(my - slope * mx, 0.0)
-            table[backend]["fwd_bwd" if bwd else "fwd"] = (icpt, slope)
-    print('    "cpu": {')
-    for b, row in table.items():
-        items = ", ".join(f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in row.items())
+    for (name, bwd), pts in points.items():
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        sxx = sum((p[0] - mx) ** 2 for p in pts) or 1.0
+        slope = max(sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx, 1e-12)
+        icpt = max(my - slope * mx, 0.0)
+        if icpt == 0.0:  # refit through the origin
+            slope = sum(p[0] * p[1] for p in pts) / sum(p[0] ** 2 for p in pts)
+        table.setdefault(name, {})["fwd_bwd" if bwd else "fwd"] = (icpt, slope)
+    table["flex"]["fwd_bwd"] = (1e-3, 3 * table["flex"]["fwd"][1])  # no CPU backward: a guess
+    print(f'    "{torch.device(dev).type}": {{')
+    for b in ("reference", "sdpa", "tiled", "sparse", "flex"):
+        row = table[b]
+        items = ", ".join(f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in sorted(row.items(), reverse=True))
         print(f'        "{b}": {{{items}}},')
     print("    },")
 
