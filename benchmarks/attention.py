@@ -331,6 +331,19 @@ def write_section(text: str, md: Path) -> None:
 # ------------------------------------------------------------------- calibrate
 
 
+def _timed_call(q, k, v, pattern, is_causal: bool, bwd: bool, name: str) -> float:  # type: ignore[no-untyped-def]
+    import torch
+
+    from attnlab.functional import scaled_dot_product_attention
+
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(bwd):
+        out = scaled_dot_product_attention(q, k, v, pattern, is_causal=is_causal, backend=name)
+        if bwd:
+            out.sum().backward()  # type: ignore[union-attr]
+    return time.perf_counter() - t0
+
+
 def calibrate(rounds: int = 2) -> None:
     """Fit ``overhead + seconds_per_unit * units`` per backend and pass; print the table.
 
@@ -344,33 +357,30 @@ def calibrate(rounds: int = 2) -> None:
     from attnlab.backends.flex import BLOCK_SIZE
     from attnlab.backends.sparse import BLOCK
     from attnlab.backends.tiled import BLOCK_K, BLOCK_Q
-    from attnlab.functional import masks, scaled_dot_product_attention
+    from attnlab.functional import masks
 
     if os.environ.get("ATTNLAB_BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
     dev = os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu")
-    blocks = {"tiled": (BLOCK_Q, BLOCK_K), "sparse": (BLOCK, BLOCK), "flex": (BLOCK_SIZE, BLOCK_SIZE)}
+    blocks = {
+        "tiled": (BLOCK_Q, BLOCK_K),
+        "sparse": (BLOCK, BLOCK),
+        "flex": (BLOCK_SIZE, BLOCK_SIZE),
+    }
     points: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     plan = [(False, 2048), (False, 8192), (True, 1024), (True, 2048)]
     for bwd, L in plan:
         for mask in ("causal", "window"):
             pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
             torch.manual_seed(0)
-            q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM, device=dev, requires_grad=bwd) for _ in range(3))
+            q, k, v = (
+                torch.randn(1, HEADS, L, HEAD_DIM, device=dev, requires_grad=bwd) for _ in range(3)
+            )
             names = ["sdpa", "tiled", "sparse"] + ([] if bwd else ["flex"])
             if L <= 2048:
                 names.append("reference")
 
-            def run(name: str) -> float:
-                t0 = time.perf_counter()
-                with torch.set_grad_enabled(bwd):
-                    out = scaled_dot_product_attention(
-                        q, k, v, pattern, is_causal=mask == "causal", backend=name
-                    )
-                    if bwd:
-                        out.sum().backward()  # type: ignore[union-attr]
-                return time.perf_counter() - t0
-
+            run = functools.partial(_timed_call, q, k, v, pattern, mask == "causal", bwd)
             for name in names:
                 run(name)  # warm-up (compiles flex)
             best = dict.fromkeys(names, math.inf)
@@ -378,8 +388,14 @@ def calibrate(rounds: int = 2) -> None:
                 for name in names:
                     best[name] = min(best[name], run(name))
             call = AttentionCall.from_inputs(
-                q, k, v, pattern, dropout_p=0.0, is_causal=mask == "causal",
-                enable_gqa=False, return_weights=False,
+                q,
+                k,
+                v,
+                pattern,
+                dropout_p=0.0,
+                is_causal=mask == "causal",
+                enable_gqa=False,
+                return_weights=False,
             )
             for name in names:
                 if name in blocks:
@@ -390,7 +406,11 @@ def calibrate(rounds: int = 2) -> None:
                     pairs = L * L
                 points.setdefault((name, bwd), []).append((units(call, pairs), best[name]))
             line = ", ".join(f"{n} {best[n] * 1e3:.1f}" for n in names)
-            print(f"# {mask} L={L} {'fwd+bwd' if bwd else 'fwd'} (ms): {line}", file=sys.stderr, flush=True)
+            print(
+                f"# {mask} L={L} {'fwd+bwd' if bwd else 'fwd'} (ms): {line}",
+                file=sys.stderr,
+                flush=True,
+            )
     table: dict[str, dict[str, tuple[float, float]]] = {}
     for (name, bwd), pts in points.items():
         n = len(pts)
@@ -406,7 +426,9 @@ def calibrate(rounds: int = 2) -> None:
     print(f'    "{torch.device(dev).type}": {{')
     for b in ("reference", "sdpa", "tiled", "sparse", "flex"):
         row = table[b]
-        items = ", ".join(f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in sorted(row.items(), reverse=True))
+        items = ", ".join(
+            f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in sorted(row.items(), reverse=True)
+        )
         print(f'        "{b}": {{{items}}},')
     print("    },")
 
