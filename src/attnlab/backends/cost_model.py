@@ -6,7 +6,8 @@ is one pair of one head at head dim 64). What differs is *which* pairs a backend
 computes and how fast it goes through them:
 
 * ``reference`` and ``sdpa`` with a mask compute all ``L * S`` pairs (``sdpa``'s
-  causal flash kernel skips the upper triangle when ``is_causal`` is the only mask);
+  flash kernel skips the upper triangle when ``is_causal`` is the only mask, and
+  has its own constants);
 * ``tiled`` and ``flex`` compute the tiles the pattern touches (``256 x 256`` and
   ``128 x 128``);
 * ``sparse`` computes the ``64``-wide key blocks each query block gathers.

@@ -85,8 +85,10 @@ def sdpa_torch(
 
 def _cost(call: AttentionCall) -> Estimate | None:
     L, S = call.query_shape[-2], call.key_shape[-2]
-    only_causal = call.is_causal and call.mask == "none"
-    est = estimate("sdpa", call, L * S / 2 if only_causal else L * S)
+    flash = call.mask == "none"  # no mask, or is_causal only: torch's flash path
+    est = estimate(
+        "sdpa_flash" if flash else "sdpa", call, L * S / 2 if flash and call.is_causal else L * S
+    )
     if est is None or call.pattern is None:
         return est
     return Estimate(
