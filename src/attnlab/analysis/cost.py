@@ -271,7 +271,13 @@ def _resolve_backend(
     for name, traits in BACKEND_TRAITS.items():
         if name not in table or name == "flex" or traits.linear:
             continue
-        overhead, per_unit = table[name]["fwd_bwd" if mode == "training" else "fwd"]
+        row = name
+        if name == "sdpa" and "sdpa_flash" in table:
+            # torch's flash path runs no mask or is_causal alone; any other mask (a window,
+            # a pattern, the slot mask of cached decoding) takes its masked path
+            flash = not patterned and shape.window is None and mode != "decode"
+            row = "sdpa_flash" if flash else "sdpa"
+        overhead, per_unit = table[row]["fwd_bwd" if mode == "training" else "fwd"]
         if traits.skips == "pattern" and traits.block is not None and not patterned:
             pairs = tile_pairs(shape, *traits.block)
         elif traits.skips == "pattern" or (
