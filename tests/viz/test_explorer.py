@@ -145,3 +145,31 @@ def test_hover_shows_that_tokens_weights_in_chromium(browser: Any, tmp_path: Pat
     assert len(rows) == len(TOKENS) + 1
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(SCREENSHOT_DIR / "explorer.png"))
+
+
+def test_explorer_of_a_causal_decoder_in_chromium(browser: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    from attnlab.models.decoder import DecoderLM
+    from attnlab.models.decoder_config import DecoderConfig
+
+    cfg = DecoderConfig.llama(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+    )
+    model = DecoderLM(cfg).eval()
+    with torch.no_grad():
+        out = model(torch.randint(0, 50, (1, 6)), output_attentions=True)
+    tokens = [f"t{i}" for i in range(6)]
+    page = write_explorer(tmp_path / "decoder.html", [w[0] for w in out.attentions], tokens)
+    browser.get(page.resolve().as_uri())
+    token = browser.find_element(By.CSS_SELECTOR, "#panel-a [data-query='3']")
+    ActionChains(browser).move_to_element(token).perform()
+    shown = json.loads(browser.find_element(By.ID, "readout-a").get_attribute("data-weights"))
+    assert shown[4:] == [0, 0]  # causal: query 3 sees keys 0..3 only
+    assert abs(sum(shown) - 1) < 5e-3
