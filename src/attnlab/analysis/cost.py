@@ -324,10 +324,13 @@ def estimate(
         mode: ``"inference"`` (one forward), ``"training"`` (forward + backward +
             optimizer state) or ``"decode"`` (one cached step of ``new_tokens``).
         dtype: parameter/activation dtype (``torch.bfloat16`` or ``"bf16"``...).
-        backend: attention backend name or ``"auto"``; decides whether the score matrix
-            is built and which masked work is skipped (:data:`BACKEND_TRAITS`).
+        backend: attention backend name or ``"auto"`` (resolved as the registry's
+            calibrated ``auto`` would, or to the backend set with ``attnlab.backends.use``);
+            decides whether the score matrix is built and which masked work is skipped
+            (:data:`BACKEND_TRAITS`).
         new_tokens: decode: tokens produced per step.
-        target_len: encoder-decoder: decoder length (default ``seq_len``).
+        target_len: encoder-decoder: decoder tokens (default ``seq_len``; decode: tokens
+            decoded so far, default 0).
         checkpointing: per-layer gradient checkpointing (training).
         optimizer: ``"adamw"``/``"adam"`` (two float32 states per parameter, plus a float32
             master copy for 16-bit parameters), ``"sgd"`` (none), ``"momentum"`` (one), or None.
