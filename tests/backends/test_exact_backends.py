@@ -142,6 +142,8 @@ def cases(draw: st.DrawFn, dense: bool = False) -> dict:
         "scale": draw(st.sampled_from([None, 0.3])),
         "block_q": draw(st.sampled_from([1, 3, 4, 8, 32])),
         "block_k": draw(st.sampled_from([1, 2, 5, 8, 32])),
+        # 1: every key block in its own online-softmax step; 4096: merged spans
+        "max_span": draw(st.sampled_from([1, 1, 10, 4096])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -204,6 +206,7 @@ def test_tiled_equals_reference_on_patterns(case: dict) -> None:
             True,
             block_q=case["block_q"],
             block_k=case["block_k"],
+            max_span=case["max_span"],
         )[0],
     )
 
@@ -224,6 +227,7 @@ def test_tiled_equals_reference_on_dense_masks(case: dict) -> None:
             True,
             block_q=case["block_q"],
             block_k=case["block_k"],
+            max_span=case["max_span"],
         )[0],
     )
 
