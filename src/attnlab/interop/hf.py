@@ -32,11 +32,20 @@ class Converter:
         model_type: transformers' ``config.model_type``.
         hf_classes: transformers class names accepted as objects, each mapped to the
             prefix its state-dict keys carry ("" for the bare model).
+        base_prefix: prefix of the base model's keys inside task checkpoints (e.g.
+            ``"bert."`` in a saved ``BertForMaskedLM``); stripped when reading a folder.
         attnlab_class: the attnlab model class (for ``to_hf``).
         config_from_hf: ``(hf_config_dict, weight_names) -> attnlab config``.
         build: ``config -> attnlab model``.
         key_map: ``attnlab model -> {attnlab key: transformers key}``.
         to_hf_model: ``attnlab model -> transformers model`` (weights not yet loaded).
+        weights_from_hf: optional ``(hf_weights, attnlab config) -> weights`` applied to the
+            transformers state dict (prefix removed) before ``key_map`` is used: splits
+            fused tensors into the names ``key_map`` uses, drops tied copies.
+        weights_to_hf: optional ``(weights, attnlab model) -> hf_weights``, the inverse,
+            applied to the renamed state dict before it is loaded into transformers.
+        accepts: optional ``attnlab model -> bool`` choosing this converter in ``to_hf``
+            when several share ``attnlab_class`` (GPT-2, Llama, ... are all ``DecoderLM``).
     """
 
     model_type: str
@@ -46,6 +55,10 @@ class Converter:
     build: Callable[[Any], nn.Module]
     key_map: Callable[[nn.Module], dict[str, str]]
     to_hf_model: Callable[[nn.Module], nn.Module]
+    base_prefix: str = ""
+    weights_from_hf: Callable[[dict[str, Tensor], Any], dict[str, Tensor]] | None = None
+    weights_to_hf: Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]] | None = None
+    accepts: Callable[[nn.Module], bool] | None = None
 
 
 _CONVERTERS: dict[str, Converter] = {}
@@ -57,7 +70,7 @@ def register_converter(conv: Converter) -> Converter:
 
 
 def _ensure_registered() -> None:
-    from attnlab.interop import bert  # noqa: F401  (registers)
+    from attnlab.interop import bert, bloom, gpt2, llama, t5  # noqa: F401  (registers)
 
 
 def supported_architectures() -> list[str]:
@@ -100,6 +113,8 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
         conv = _converter(str(cfg.get("model_type")), arch)
         weights = load_safetensors_dir(folder)
         prefix = conv.hf_classes.get(arch, "")
+        if not prefix and conv.base_prefix and any(k.startswith(conv.base_prefix) for k in weights):
+            prefix = conv.base_prefix
         return _assemble(conv, cfg, weights, prefix, source=str(folder), strict_extra=False)
     if isinstance(model_or_local_dir, nn.Module) and hasattr(model_or_local_dir, "config"):
         hf: Any = model_or_local_dir
@@ -132,6 +147,8 @@ def _assemble(
     if prefix:
         weights = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in weights.items()}
     config = conv.config_from_hf(cfg, set(weights))
+    if conv.weights_from_hf is not None:
+        weights = conv.weights_from_hf(weights, config)
     model = conv.build(config)
     mapping = conv.key_map(model)
     own = model.state_dict()
@@ -175,7 +192,14 @@ def to_hf(model: nn.Module) -> nn.Module:
         ImportError: transformers is not installed (the ``hf`` extra).
     """
     _ensure_registered()
-    conv = next((c for c in _CONVERTERS.values() if isinstance(model, c.attnlab_class)), None)
+    conv = next(
+        (
+            c
+            for c in _CONVERTERS.values()
+            if isinstance(model, c.attnlab_class) and (c.accepts is None or c.accepts(model))
+        ),
+        None,
+    )
     if conv is None:
         raise ValueError(
             f"to_hf cannot convert {type(model).__name__}; supported: "
@@ -184,6 +208,8 @@ def to_hf(model: nn.Module) -> nn.Module:
     hf = conv.to_hf_model(model)
     own = model.state_dict()
     state = {theirs: own[ours] for ours, theirs in conv.key_map(model).items()}
+    if conv.weights_to_hf is not None:
+        state = conv.weights_to_hf(state, model)
     result = hf.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not _is_buffer_key(k)]
     if missing or result.unexpected_keys:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
-__all__ = ["EncoderOutput"]
+__all__ = ["CausalLMOutput", "EncoderOutput", "Seq2SeqLMOutput"]
 
 
 @dataclass
@@ -24,3 +25,41 @@ class EncoderOutput:
     pooler_output: Tensor | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class CausalLMOutput:
+    """Output of a decoder-only language model.
+
+    Attributes:
+        logits: ``[B, L, V]`` next-token scores for each new token.
+        past_key_values: the :class:`~attnlab.cache.ModelCache` when ``use_cache=True``.
+        hidden_states: embeddings output and every layer's output, when asked for.
+        attentions: one ``[B, H, L, S]`` tensor per layer, when ``output_attentions=True``.
+    """
+
+    logits: Tensor
+    past_key_values: Any = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class Seq2SeqLMOutput:
+    """Output of an encoder-decoder language model.
+
+    Attributes:
+        logits: ``[B, L, V]`` for the decoder tokens.
+        past_key_values: the decoder's :class:`~attnlab.cache.ModelCache`, when caching.
+        encoder_last_hidden_state: ``[B, S_enc, D]``.
+        decoder_attentions: decoder self-attention weights per layer, when asked for.
+        cross_attentions: decoder cross-attention weights per layer, when asked for.
+        encoder_attentions: encoder weights per layer, when asked for.
+    """
+
+    logits: Tensor
+    past_key_values: Any = None
+    encoder_last_hidden_state: Tensor | None = None
+    decoder_attentions: tuple[Tensor, ...] | None = None
+    cross_attentions: tuple[Tensor, ...] | None = None
+    encoder_attentions: tuple[Tensor, ...] | None = None

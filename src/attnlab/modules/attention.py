@@ -9,6 +9,19 @@ module was given (``"auto"`` by default). Variants are chosen by arguments, not
 flags: ``num_kv_heads == num_heads`` is multi-head attention (Vaswani et al., 2017),
 ``1 < num_kv_heads < num_heads`` grouped-query attention (Ainslie et al., 2023),
 ``num_kv_heads == 1`` multi-query attention (Shazeer, 2019).
+
+Components, passed to the constructor, add the position schemes of decoders:
+
+* ``rotary``: a module ``(x [B, H, S, h_d], positions [B, S]) -> x`` applied to the
+  queries and the new keys (RoPE, Su et al., 2021);
+* ``score_bias``: a module ``(q_positions [B, L], k_positions [B, S]) -> [B, H, L, S]``
+  whose float output is added to the scores (ALiBi, Press et al., 2022; T5's relative
+  bias, Raffel et al., 2020);
+* ``scale``: the score scale (T5 uses 1.0);
+
+and, per call, ``cache`` (a :class:`~attnlab.cache.KVCache` for self-attention, a
+:class:`~attnlab.cache.CrossAttentionCache` for encoder-decoder attention) with the
+explicit slot ``cache_start`` of the first new token.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
 from attnlab.functional._checks import check_tensor
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
 from attnlab.functional.masks import combine, padding_mask
@@ -39,6 +53,11 @@ class MultiHeadAttention(nn.Module):
         out_bias: bias on the output projection; default ``bias``.
         dropout: dropout on the attention weights (training only).
         backend: attention backend name, or ``"auto"``.
+        rotary: position module applied to queries and keys (e.g.
+            :class:`~attnlab.modules.rotary.RotaryEmbedding`), or None.
+        score_bias: module returning a float bias added to the scores (e.g.
+            :class:`~attnlab.modules.score_bias.ALiBi`), or None.
+        scale: score scale; default ``1/sqrt(head_dim)``.
 
     Parameters are ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` (separate
     ``nn.Linear``s, the Hugging Face BERT/Llama layout). :meth:`load_layout`
@@ -57,6 +76,9 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool | None = None,
         dropout: float = 0.0,
         backend: str = "auto",
+        rotary: nn.Module | None = None,
+        score_bias: nn.Module | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -88,6 +110,9 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = head_dim
         self.dropout = dropout
         self.backend = backend
+        self.rotary = rotary
+        self.score_bias = score_bias
+        self.scale = scale
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
@@ -115,6 +140,10 @@ class MultiHeadAttention(nn.Module):
         attn_mask: AttnMask = None,
         is_causal: bool = False,
         need_weights: bool = False,
+        positions: Tensor | None = None,
+        key_positions: Tensor | None = None,
+        cache: KVCache | CrossAttentionCache | None = None,
+        cache_start: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -128,11 +157,25 @@ class MultiHeadAttention(nn.Module):
                 ``[B, H, L, S]``, or a mask pattern.
             is_causal: causal self-attention (query ``i`` sees keys ``j <= i``).
             need_weights: also return the attention weights ``[B, H, L, S]``.
+            positions: ``[B, L]`` (or ``[L]``) position ids of the queries, for the
+                ``rotary`` and ``score_bias`` components; default
+                ``cache_start .. cache_start+L-1``.
+            key_positions: ``[B, S]`` (or ``[S]``) positions of all keys attended to
+                (cached ones included), for ``score_bias``; default ``0..S-1``.
+            cache: a self-attention cache (the new keys/values are stored at slots
+                ``cache_start..`` and all cached ones are attended to; ``attn_mask`` must
+                then fit the keys the cache returns) or a cross-attention cache (filled
+                on the first call, then ``key``/``value`` are not needed).
+            cache_start: slot of the first query token in the cache.
 
         Returns:
             ``(output [B, L, D], weights or None)``.
         """
         check_tensor("query", query)
+        if isinstance(cache, CrossAttentionCache) and cache.filled:
+            return self._attend_cached_cross(
+                query, cache, attn_mask=attn_mask, need_weights=need_weights
+            )
         key = query if key is None else check_tensor("key", key)
         value = key if value is None else check_tensor("value", value)
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
@@ -174,6 +217,29 @@ class MultiHeadAttention(nn.Module):
         q = self._split(self.q_proj(query), self.num_heads)  # [b, H, L, h_d]
         k = self._split(self.k_proj(key), self.num_kv_heads)  # [b, H_kv, S, h_d]
         v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        if (self.rotary is not None or self.score_bias is not None) and positions is None:
+            positions = torch.arange(cache_start, cache_start + query.shape[1], device=query.device)
+        if self.rotary is not None:
+            assert positions is not None
+            q = self.rotary(q, positions)
+            if key is query:  # self-attention: keys rotate at the queries' positions
+                k = self.rotary(k, positions)
+        if isinstance(cache, CrossAttentionCache):
+            cache.store(k, v)
+        elif cache is not None:
+            k, v = cache.update(k, v, start=cache_start)  # [b, H_kv, S_all, h_d]
+        if self.score_bias is not None:
+            assert positions is not None
+            if key_positions is None:
+                key_positions = torch.arange(k.shape[2], device=query.device)
+            mask = self._add_bias(mask, self.score_bias(positions, key_positions), is_causal)
+            is_causal = False
+        return self._attend(q, k, v, mask, is_causal, need_weights)
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttnMask, is_causal: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        b, _, length, _ = q.shape
         result = scaled_dot_product_attention(
             q,
             k,
@@ -181,13 +247,50 @@ class MultiHeadAttention(nn.Module):
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal,
+            scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
             backend=self.backend,
             return_weights=need_weights,
         )
         out, weights = result if isinstance(result, tuple) else (result, None)
-        out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)  # [b, L, H*h_d]
+        out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H*h_d]
         return self.out_proj(out), weights
+
+    @staticmethod
+    def _add_bias(mask: AttnMask, bias: Tensor, is_causal: bool) -> Tensor:
+        """Fold a float score bias ``[B, H, L, S]`` and a mask into one additive mask."""
+        length, s = bias.shape[-2], bias.shape[-1]
+        if mask is not None and not isinstance(mask, Tensor):
+            mask = mask.to_dense(length, s, device=bias.device)
+        if is_causal:
+            causal = torch.ones(length, s, dtype=torch.bool, device=bias.device).tril()
+            mask = causal if mask is None else combine(mask, causal)
+        if mask is None:
+            return bias
+        if mask.dtype == torch.bool:
+            return bias.masked_fill(~mask, float("-inf"))
+        return bias + mask
+
+    def _attend_cached_cross(
+        self,
+        query: Tensor,
+        cache: CrossAttentionCache,
+        *,
+        attn_mask: AttnMask,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query must be (batch, seq_len, {self.embed_dim}), got {tuple(query.shape)}"
+            )
+        assert cache.key is not None and cache.value is not None
+        if cache.key.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"batch size {query.shape[0]} does not match the cross-attention cache's "
+                f"{cache.key.shape[0]}"
+            )
+        q = self._split(self.q_proj(query), self.num_heads)  # [b, H, L, h_d]
+        return self._attend(q, cache.key, cache.value, attn_mask, False, need_weights)
 
     # ------------------------------------------------------------------ layouts
 

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from attnlab.functional.attention import AttnMask
 from attnlab.modules.attention import MultiHeadAttention
-from attnlab.modules.mlp import FeedForward
 
 __all__ = ["EncoderLayer", "NormPosition"]
 
@@ -39,7 +38,7 @@ class EncoderLayer(nn.Module):
         self,
         *,
         attention: MultiHeadAttention,
-        feed_forward: FeedForward,
+        feed_forward: nn.Module,
         attn_norm: nn.Module,
         ffn_norm: nn.Module,
         norm_position: NormPosition = "post",

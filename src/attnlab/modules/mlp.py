@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from attnlab.modules.activations import get_activation
 
-__all__ = ["FeedForward"]
+__all__ = ["FeedForward", "GatedFeedForward"]
 
 
 class FeedForward(nn.Module):
@@ -50,3 +50,47 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``[B, S, D] -> [B, S, D]``."""
         return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+
+
+class GatedFeedForward(nn.Module):
+    """Gated linear unit feed-forward: ``down(act(gate(x)) * up(x))`` (Shazeer, 2020).
+
+    With ``activation="silu"`` this is SwiGLU (Llama, Mistral); with ``"gelu_new"`` it is
+    T5 v1.1's gated GELU.
+
+    Args:
+        embed_dim: model width ``D``.
+        hidden_dim: inner width ``F``.
+        activation: activation of the gate.
+        dropout: dropout after the down projection (training only).
+        bias: biases on the three linear layers.
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        hidden_dim: int,
+        activation: str = "silu",
+        dropout: float = 0.0,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, val in (("embed_dim", embed_dim), ("hidden_dim", hidden_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.activation_name = activation
+        self.act = get_activation(activation)
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation_name!r}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, S, D] -> [B, S, D]``."""
+        return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))

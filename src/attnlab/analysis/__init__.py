@@ -1,0 +1,1 @@
+"""Analysis tools: attention statistics (and, as they grow, cost models and diagnostics)."""

@@ -1,0 +1,316 @@
+"""A small description of a Transformer architecture, derived from any config the library builds.
+
+The cost model (:mod:`attnlab.analysis.cost`) and the advisor reason about an
+:class:`ArchSpec`, never about a config class directly: each config type registers an
+*adapter* that turns it into a spec (:func:`register_adapter`), so a model family added
+later plugs in with one function and the cost model needs no change.
+
+Fields are what the arithmetic needs: widths and counts, the feed-forward kind, what
+sits around the layer stack (embeddings, LM head, pooler), and the attention's shape
+(causal, sliding window, sparse pattern density, encoder-decoder cross-attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+__all__ = ["PRESETS", "ArchSpec", "adapters", "describe", "preset", "register_adapter"]
+
+FfnKind = Literal["standard", "gated"]
+NormKind = Literal["layernorm", "rmsnorm"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the cost model needs to know about an architecture.
+
+    Attributes:
+        name: a label for reports (``"encoder"``, ``"llama"``...).
+        num_layers: self-attention layers (the encoder's, or the decoder's in a decoder-only LM).
+        hidden_size: model width ``D``.
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``H_kv`` (``H`` for MHA, 1 for MQA, between for GQA).
+        head_dim: per-head width ``E`` (``H * E`` may differ from ``D``).
+        ffn: ``"standard"`` (two matrices) or ``"gated"`` (SwiGLU: three matrices).
+        intermediate_size: feed-forward inner width ``F``.
+        vocab_size: token ids ``V``.
+        activation: feed-forward activation name.
+        causal: decoder-style causal self-attention (halves the useful attention work).
+        position: ``"learned"``, ``"sinusoidal"``, ``"rope"``, ``"alibi"``, ``"relative"``
+            or ``"none"``.
+        max_positions: rows of a learned position table (or a RoPE reference length).
+        learned_positions: the position table is a parameter.
+        type_vocab_size: token-type (segment) embeddings rows (BERT), 0 for none.
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        embedding_norm: a norm after the embeddings (BERT, BLOOM).
+        final_norm: a norm after the last layer (pre-LN stacks).
+        attention_bias: biases on the q/k/v projections.
+        attention_out_bias: bias on the output projection.
+        mlp_bias: biases in the feed-forward.
+        lm_head: a vocabulary projection on top.
+        tied_embeddings: the LM head reuses the token embedding matrix (no extra parameters).
+        pooler: BERT's pooler (a ``D x D`` dense on the first token).
+        window: sliding window ``W`` in keys, itself included (Mistral), or None.
+        pattern_density: fraction of (query, key) pairs a sparse pattern keeps, or None.
+        num_decoder_layers: decoder layers of an encoder-decoder model (each with
+            self- and cross-attention); 0 for encoder-only and decoder-only models.
+        attention_dropout: dropout probability on attention weights (training).
+        hidden_dropout: dropout probability on sublayer outputs (training).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: FfnKind
+    intermediate_size: int
+    vocab_size: int
+    activation: str = "gelu"
+    causal: bool = False
+    position: str = "learned"
+    max_positions: int | None = None
+    learned_positions: bool = True
+    type_vocab_size: int = 0
+    norm: NormKind = "layernorm"
+    embedding_norm: bool = False
+    final_norm: bool = False
+    attention_bias: bool = True
+    attention_out_bias: bool = True
+    mlp_bias: bool = True
+    lm_head: bool = False
+    tied_embeddings: bool = True
+    pooler: bool = False
+    window: int | None = None
+    pattern_density: float | None = None
+    num_decoder_layers: int = 0
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ArchSpec.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.ffn not in ("standard", "gated"):
+            raise ValueError(f"ffn must be 'standard' or 'gated', got {self.ffn!r}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"window must be a positive int or None, got {self.window!r}")
+        if self.pattern_density is not None and not 0.0 < self.pattern_density <= 1.0:
+            raise ValueError(f"pattern_density must be in (0, 1], got {self.pattern_density!r}")
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the concatenated query heads, ``H * E``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the concatenated key (or value) heads, ``H_kv * E``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_kind(self) -> str:
+        """``"MHA"``, ``"GQA"`` or ``"MQA"`` from the head counts."""
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    def with_(self, **changes: Any) -> ArchSpec:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+Adapter = Callable[[Any], ArchSpec]
+_ADAPTERS: dict[type, Adapter] = {}
+
+
+def register_adapter(config_type: type, adapter: Adapter) -> None:
+    """Teach :func:`describe` a config type: ``adapter(config) -> ArchSpec``."""
+    _ADAPTERS[config_type] = adapter
+
+
+def adapters() -> dict[type, Adapter]:
+    """The registered adapters by config type (built-in ones included)."""
+    _register_builtin()
+    return dict(_ADAPTERS)
+
+
+def describe(config_or_model: Any) -> ArchSpec:
+    """The :class:`ArchSpec` of a config, or of a model that has a ``.config``.
+
+    Raises:
+        TypeError: no adapter knows the object's config type (the message lists those known).
+    """
+    if isinstance(config_or_model, ArchSpec):
+        return config_or_model
+    _register_builtin()
+    config = getattr(config_or_model, "config", config_or_model)
+    for cls in type(config).__mro__:
+        if cls in _ADAPTERS:
+            return _ADAPTERS[cls](config)
+    known = sorted(t.__name__ for t in _ADAPTERS)
+    raise TypeError(
+        f"no cost-model adapter for {type(config).__name__}; known config types: {known} "
+        "(add one with attnlab.analysis.arch.register_adapter)"
+    )
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def _encoder(config: Any) -> ArchSpec:
+    return ArchSpec(
+        name="encoder",
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        ffn="standard",
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        activation=config.hidden_act,
+        causal=False,
+        position="learned",
+        max_positions=config.max_position_embeddings,
+        learned_positions=True,
+        type_vocab_size=config.type_vocab_size,
+        norm="layernorm",
+        embedding_norm=True,
+        final_norm=config.norm_position == "pre",
+        lm_head=False,
+        pooler=config.add_pooler,
+        attention_dropout=config.attention_probs_dropout_prob,
+        hidden_dropout=config.hidden_dropout_prob,
+    )
+
+
+_BUILTIN_DONE = False
+
+
+def _register_builtin() -> None:
+    """Register the adapters of the library's own configs (lazily: no work at import)."""
+    global _BUILTIN_DONE
+    if _BUILTIN_DONE:
+        return
+    from attnlab.models.config import EncoderConfig
+
+    _ADAPTERS.setdefault(EncoderConfig, _encoder)
+    _BUILTIN_DONE = True
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def _presets() -> dict[str, ArchSpec]:
+    tutorial = ArchSpec(
+        name="tutorial",
+        num_layers=12,
+        hidden_size=768,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        ffn="standard",
+        intermediate_size=3072,
+        vocab_size=30522,
+        max_positions=512,
+        type_vocab_size=2,
+        embedding_norm=True,
+        pooler=True,
+    )
+    llama = ArchSpec(
+        name="llama-2-7b",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        ffn="gated",
+        intermediate_size=11008,
+        vocab_size=32000,
+        activation="silu",
+        causal=True,
+        position="rope",
+        max_positions=4096,
+        learned_positions=False,
+        norm="rmsnorm",
+        final_norm=True,
+        attention_bias=False,
+        attention_out_bias=False,
+        mlp_bias=False,
+        lm_head=True,
+        tied_embeddings=False,
+    )
+    return {
+        # BERT-base sizes: the tutorial's table (hidden 768, 12 heads)
+        "tutorial": tutorial,
+        "bert-base": tutorial.with_(name="bert-base"),
+        "minilm": tutorial.with_(
+            name="all-MiniLM-L6-v2",
+            num_layers=6,
+            hidden_size=384,
+            head_dim=32,
+            intermediate_size=1536,
+        ),
+        "gpt2": ArchSpec(
+            name="gpt2",
+            num_layers=12,
+            hidden_size=768,
+            num_heads=12,
+            num_kv_heads=12,
+            head_dim=64,
+            ffn="standard",
+            intermediate_size=3072,
+            vocab_size=50257,
+            activation="gelu_new",
+            causal=True,
+            max_positions=1024,
+            final_norm=True,
+            lm_head=True,
+            tied_embeddings=True,
+        ),
+        "llama-2-7b": llama,
+        "llama-3-8b": llama.with_(
+            name="llama-3-8b",
+            num_kv_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_positions=8192,
+        ),
+        "mistral-7b": llama.with_(
+            name="mistral-7b",
+            num_kv_heads=8,
+            intermediate_size=14336,
+            window=4096,
+            max_positions=32768,
+        ),
+    }
+
+
+#: Named architectures for the command line (sizes from the published configs).
+PRESETS: dict[str, ArchSpec] = _presets()
+
+
+def preset(name: str) -> ArchSpec:
+    """The preset called ``name``; ``ValueError`` lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None

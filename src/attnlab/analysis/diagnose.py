@@ -1,0 +1,665 @@
+"""Find what is wrong with an attention model on an input, and say how to fix it.
+
+Shape notation: ``B`` batch, ``H`` heads, ``L`` queries, ``S`` keys.
+
+:func:`diagnose` runs one forward pass with hooks and returns a
+:class:`DiagnosisReport`:
+
+* the first module (in execution order, innermost first) whose output holds NaN or
+  Inf, named as in ``model.named_modules()``, with statistics of the inputs it received
+  and the parameters in it that are not finite (:class:`NonFiniteWatch`, usable alone);
+* checks of the inputs' shapes, dtypes and masks, each issue with its fix spelled out
+  (a 1-D ``input_ids``, an ``attention_mask`` of the wrong shape, an additive float mask
+  where 1/0 was meant, a 0/1 float ``attn_mask`` where a bool was meant, a sequence whose
+  mask blanks every key);
+* statistics of every attention layer and head (:class:`HeadStats`): how far rows are
+  from summing to one, entropy, largest weight, share of attention on the first token
+  (attention sinks, Xiao et al., 2023, "Efficient streaming language models with
+  attention sinks"), and rows whose keys are all masked.
+
+The per-module check is one float32 sum per output tensor (NaN and Inf propagate into
+the sum), so the hooks cost little next to the forward pass itself (see
+``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "DiagnosisReport",
+    "HeadStats",
+    "Issue",
+    "NonFiniteWatch",
+    "attention_head_stats",
+    "diagnose",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Largest |row sum - 1| accepted for a row that is not fully masked.
+ROW_SUM_TOL = 1e-3
+
+
+@dataclass
+class Issue:
+    """One finding.
+
+    Attributes:
+        kind: a short tag (``"nonfinite"``, ``"mask"``, ``"shape"``, ``"row_sum"``,
+            ``"fully_masked"``, ``"overflow"``, ``"error"``).
+        where: the module or input it concerns.
+        message: what is wrong, with the values.
+        fix: what to do about it.
+    """
+
+    kind: str
+    where: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.where}: {self.message}\n    fix: {self.fix}"
+
+
+@dataclass
+class HeadStats:
+    """Attention statistics of one head of one layer, over the batch.
+
+    Attributes:
+        layer: layer index (order of the attention modules in the forward pass).
+        module: the attention module's name.
+        head: head index.
+        row_sum_error: largest ``|sum_j w_ij - 1|`` over rows that are not fully masked.
+        entropy: mean row entropy (nats) over rows that are not fully masked.
+        max_weight: mean of each row's largest weight.
+        first_token_share: mean weight on key 0 (an attention sink when large).
+        fully_masked_rows: rows whose weights are all zero (every key masked).
+        rows: rows seen (batch x queries).
+        mean_distance: mean ``|i - j|`` weighted by attention (self-attention only).
+    """
+
+    layer: int
+    module: str
+    head: int
+    row_sum_error: float
+    entropy: float
+    max_weight: float
+    first_token_share: float
+    fully_masked_rows: int
+    rows: int
+    mean_distance: float
+
+
+@dataclass
+class DiagnosisReport:
+    """What :func:`diagnose` found.
+
+    Attributes:
+        ok: no issue found.
+        issues: the findings, most important first.
+        first_nonfinite_module: name of the first module whose output held NaN/Inf, or None.
+        first_nonfinite_inputs: statistics of that module's inputs (per input tensor).
+        nonfinite_parameters: parameter name -> number of NaN/Inf entries.
+        output_finite: the model's output was finite.
+        heads: statistics per layer and head (when attention weights were available).
+        backend: the attention backend ``auto`` resolved to during the pass.
+        error: the exception the forward raised, if any (``"TypeName: message"``).
+        error_module: the innermost module running when it was raised.
+    """
+
+    ok: bool
+    issues: list[Issue]
+    first_nonfinite_module: str | None
+    first_nonfinite_inputs: list[dict[str, Any]]
+    nonfinite_parameters: dict[str, int]
+    output_finite: bool
+    heads: list[HeadStats] = field(default_factory=list)
+    backend: str = "auto"
+    error: str | None = None
+    error_module: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``json.dumps``."""
+        return asdict(self)
+
+    def layer_summary(self) -> list[dict[str, float]]:
+        """Per layer: the worst row-sum error and the means of the head statistics."""
+        out: list[dict[str, float]] = []
+        layers = sorted({h.layer for h in self.heads})
+        for layer in layers:
+            hs = [h for h in self.heads if h.layer == layer]
+            out.append(
+                {
+                    "layer": layer,
+                    "row_sum_error": max(h.row_sum_error for h in hs),
+                    "entropy": sum(h.entropy for h in hs) / len(hs),
+                    "max_weight": sum(h.max_weight for h in hs) / len(hs),
+                    "first_token_share": sum(h.first_token_share for h in hs) / len(hs),
+                    "fully_masked_rows": sum(h.fully_masked_rows for h in hs),
+                }
+            )
+        return out
+
+    def summary(self) -> str:
+        """A report a person reads."""
+        lines = ["no issues found" if self.ok else f"{len(self.issues)} issue(s):"]
+        lines += [str(i) for i in self.issues]
+        if self.heads:
+            lines.append("")
+            lines.append(
+                "layer  row-sum err  entropy  max weight  first-token share  fully masked rows"
+            )
+            for row in self.layer_summary():
+                lines.append(
+                    f"{int(row['layer']):>5}  {row['row_sum_error']:11.2e}  {row['entropy']:7.3f}  "
+                    f"{row['max_weight']:10.3f}  {row['first_token_share']:17.3f}  "
+                    f"{int(row['fully_masked_rows']):>17}"
+                )
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def _tensors(x: Any) -> Iterator[Tensor]:
+    """Every tensor in a (nested) output: tensors, tuples, lists, dicts, dataclasses."""
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, list | tuple):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            yield from _tensors(v)
+    elif hasattr(x, "__dataclass_fields__"):
+        for name in x.__dataclass_fields__:
+            yield from _tensors(getattr(x, name))
+
+
+def _finite(t: Tensor) -> bool:
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    # NaN and Inf propagate into a float32 sum; one reduction and one sync per tensor.
+    return bool(torch.isfinite(t.detach().sum(dtype=torch.float32)))
+
+
+def tensor_stats(t: Tensor) -> dict[str, Any]:
+    """Shape, dtype, NaN/Inf counts and the range of the finite values of ``t``."""
+    d: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if not t.is_floating_point():
+        return d
+    x = t.detach().float()
+    finite = torch.isfinite(x)
+    d["nan"] = int(torch.isnan(x).sum())
+    d["inf"] = int(torch.isinf(x).sum())
+    if bool(finite.any()):
+        vals = x[finite]
+        d["min"] = float(vals.min())
+        d["max"] = float(vals.max())
+        d["mean"] = float(vals.mean())
+        d["abs_max"] = float(vals.abs().max())
+    return d
+
+
+class NonFiniteWatch:
+    """Forward hooks that remember the first module whose output is not finite.
+
+    Use as a context manager around a forward pass::
+
+        with NonFiniteWatch(model) as watch:
+            model(**inputs)
+        watch.first_module  # "layers.3.feed_forward.fc_in" or None
+
+    Forward hooks run when a module returns, so children report before their parents:
+    the first name recorded is the innermost module that produced the NaN/Inf. Also
+    tracks which module is running (for exceptions) with pre-hooks.
+
+    Args:
+        model: the module to watch (every submodule is hooked).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.first_module: str | None = None
+        self.first_inputs: list[dict[str, Any]] = []
+        self.first_outputs: list[dict[str, Any]] = []
+        self.stack: list[str] = []
+        self._args: list[Any] = []
+        self.deepest_on_error: str | None = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> NonFiniteWatch:
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None and self.stack:
+            self.deepest_on_error = self.stack[-1]
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.stack.append(name)
+            self._args.append(args)
+
+        return hook
+
+    def _post(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+                self._args.pop()
+            if self.first_module is not None:
+                return
+            if all(_finite(t) for t in _tensors(output)):
+                return
+            culprit, culprit_args = name, args
+            if self.stack and not all(_finite(t) for t in _tensors(args)):
+                # Its input was already bad, yet no child module produced it: the code of
+                # the enclosing module that is still running did (e.g. a fused projection).
+                culprit, culprit_args = self.stack[-1], self._args[-1]
+            self.first_module = culprit or "<model>"
+            self.first_inputs = [tensor_stats(t) for t in _tensors(culprit_args)]
+            self.first_outputs = [tensor_stats(t) for t in _tensors(output)]
+
+        return hook
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def attention_head_stats(weights: Tensor, *, layer: int = 0, module: str = "") -> list[HeadStats]:
+    """Statistics of each head of one layer's weights ``[B, H, L, S]`` (or ``[H, L, S]``).
+
+    Raises:
+        ValueError: weights that are not 3-D or 4-D.
+    """
+    if weights.dim() == 3:
+        weights = weights.unsqueeze(0)
+    if weights.dim() != 4:
+        raise ValueError(f"weights must be [B, H, L, S] or [H, L, S], got {tuple(weights.shape)}")
+    w = weights.detach().double()  # [B, H, L, S]
+    b, h, lq, s = w.shape
+    sums = w.sum(-1)  # [B, H, L]
+    masked = sums == 0
+    live = ~masked
+    err = (sums - 1).abs().masked_fill(masked, 0.0)
+    ent = -(w * torch.where(w > 0, w.log(), torch.zeros_like(w))).sum(-1)
+    best = w.amax(-1)
+    first = w[..., 0]
+    qpos = torch.arange(lq, dtype=w.dtype).view(-1, 1) + (s - lq)  # bottom-right aligned
+    dist = (qpos - torch.arange(s, dtype=w.dtype).view(1, -1)).abs()
+    mean_dist = (w * dist).sum(-1)
+    out: list[HeadStats] = []
+    for head in range(h):
+        lv = live[:, head]
+        n_live = int(lv.sum())
+
+        def mean(x: Tensor, lv: Tensor = lv, n_live: int = n_live) -> float:
+            return float(x[lv].sum() / n_live) if n_live else 0.0
+
+        out.append(
+            HeadStats(
+                layer=layer,
+                module=module,
+                head=head,
+                row_sum_error=float(err[:, head].max()) if err.numel() else 0.0,
+                entropy=mean(ent[:, head]),
+                max_weight=mean(best[:, head]),
+                first_token_share=mean(first[:, head]),
+                fully_masked_rows=int(masked[:, head].sum()),
+                rows=b * lq,
+                mean_distance=mean(mean_dist[:, head]),
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _check_inputs(model: nn.Module, inputs: Mapping[str, Any]) -> list[Issue]:
+    issues: list[Issue] = []
+    ids = inputs.get("input_ids")
+    if isinstance(ids, Tensor):
+        if ids.dim() == 1:
+            issues.append(
+                Issue(
+                    "shape",
+                    "input_ids",
+                    f"input_ids has shape {tuple(ids.shape)}; models take (batch, seq_len)",
+                    "add the batch dimension: input_ids.unsqueeze(0)",
+                )
+            )
+        if ids.is_floating_point():
+            issues.append(
+                Issue(
+                    "dtype",
+                    "input_ids",
+                    f"input_ids is {ids.dtype}; token ids are integers",
+                    "input_ids.long()",
+                )
+            )
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is not None and ids.numel() and not ids.is_floating_point():
+            hi = int(ids.max())
+            if hi >= vocab or int(ids.min()) < 0:
+                issues.append(
+                    Issue(
+                        "shape",
+                        "input_ids",
+                        f"ids range over [{int(ids.min())}, {hi}] but vocab_size is {vocab}",
+                        "use the tokenizer that belongs to this model",
+                    )
+                )
+    am = inputs.get("attention_mask")
+    if isinstance(am, Tensor):
+        if isinstance(ids, Tensor) and ids.dim() == 2 and tuple(am.shape) != tuple(ids.shape):
+            issues.append(
+                Issue(
+                    "shape",
+                    "attention_mask",
+                    f"attention_mask has shape {tuple(am.shape)}, input_ids {tuple(ids.shape)}",
+                    "build both with the same tokenizer call (padding=True), or pass "
+                    "attention_mask of shape (batch, seq_len) with 1 = token, 0 = padding",
+                )
+            )
+        if am.is_floating_point():
+            vals = torch.unique(am.detach()).tolist()
+            if any(v not in (0.0, 1.0) for v in vals):
+                shown = [round(v, 3) if math.isfinite(v) else v for v in vals[:4]]
+                issues.append(
+                    Issue(
+                        "mask",
+                        "attention_mask",
+                        f"attention_mask holds {shown}: an additive float mask (0 = keep, "
+                        "-inf/-1e4 = drop), but attention_mask means 1 = token, 0 = padding",
+                        "pass (mask == 0).long() as attention_mask, or the additive mask as attn_mask",
+                    )
+                )
+        if am.dim() == 2 and am.numel():
+            blank = (am == 0).all(dim=-1) if not am.is_floating_point() else (am == 0).all(-1)
+            for b in blank.nonzero().flatten().tolist():
+                issues.append(
+                    Issue(
+                        "fully_masked",
+                        f"attention_mask[{b}]",
+                        f"sequence {b} has attention_mask all 0: every query of it has no key "
+                        "to attend to (attnlab returns zeros there; torch sdpa returns NaN)",
+                        "every sequence needs at least one real token marked 1; check the "
+                        "padding side and the tokenizer call",
+                    )
+                )
+    for key in ("attn_mask", "mask"):
+        m = inputs.get(key)
+        if isinstance(m, Tensor):
+            issues += _check_attn_mask(m, key)
+    return issues
+
+
+def _check_attn_mask(mask: Tensor, where: str) -> list[Issue]:
+    issues: list[Issue] = []
+    if mask.is_floating_point():
+        vals = torch.unique(mask.detach())
+        if vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()):
+            issues.append(
+                Issue(
+                    "mask",
+                    where,
+                    f"{where} is a {mask.dtype} mask of 0 and 1: a float mask is ADDED to the "
+                    "scores, so the 0 entries are not masked at all (they score 1 lower)",
+                    f"pass {where}.bool() (True = attend), or an additive mask "
+                    f"{where}.log() (0 = keep, -inf = drop)",
+                )
+            )
+    elif mask.dtype == torch.bool and mask.dim() >= 1 and mask.numel():
+        blank = ~mask.any(dim=-1)
+        n = int(blank.sum())
+        if n:
+            issues.append(
+                Issue(
+                    "fully_masked",
+                    where,
+                    f"{n} row(s) of {where} allow no key at all",
+                    "give every query at least one key (for instance itself); fully masked "
+                    "rows return zeros in attnlab and NaN in torch sdpa",
+                )
+            )
+    return issues
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+@contextlib.contextmanager
+def _attention_capture(model: nn.Module, found: list[tuple[str, Tensor]]) -> Iterator[None]:
+    from attnlab.modules.attention import MultiHeadAttention
+
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadAttention):
+
+            def pre(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+                kwargs = dict(kwargs)
+                kwargs["need_weights"] = True
+                return args, kwargs
+
+            def post(mod: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+                if isinstance(output, tuple) and len(output) > 1 and isinstance(output[1], Tensor):
+                    found.append((name, output[1]))
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _mask_hooks(model: nn.Module, issues: list[Issue]) -> list[Any]:
+    """Pre-hooks on attention modules that check the ``attn_mask`` each one receives."""
+    from attnlab.modules.attention import MultiHeadAttention
+
+    seen: set[str] = set()
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadAttention):
+
+            def pre(mod: nn.Module, args: Any, kwargs: dict[str, Any], name: str = name) -> None:
+                m = kwargs.get("attn_mask")
+                if isinstance(m, Tensor) and name not in seen:
+                    seen.add(name)
+                    for issue in _check_attn_mask(m, f"{name or '<model>'} attn_mask"):
+                        if not any(i.message == issue.message for i in issues):
+                            issues.append(issue)
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+def diagnose(
+    model: nn.Module,
+    inputs: Mapping[str, Any] | Tensor,
+    *,
+    attention_stats: bool = True,
+    row_sum_tol: float = ROW_SUM_TOL,
+) -> DiagnosisReport:
+    """Run ``model(**inputs)`` once with hooks and report what is wrong.
+
+    Args:
+        model: any ``nn.Module``; attention statistics need attnlab's
+            :class:`~attnlab.modules.attention.MultiHeadAttention` inside it.
+        inputs: keyword arguments of the forward (``{"input_ids": ..., "attention_mask": ...}``),
+            or one tensor passed positionally.
+        attention_stats: capture attention weights and compute per-head statistics (asks
+            each attention module for its weights, which runs a backend that returns
+            them, normally the reference).
+        row_sum_tol: largest accepted ``|row sum - 1|``.
+
+    Returns:
+        A :class:`DiagnosisReport`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``inputs`` neither a mapping nor a tensor.
+    """
+    from attnlab.backends import current
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(inputs, Tensor):
+        args: tuple[Any, ...] = (inputs,)
+        kwargs: dict[str, Any] = {}
+    elif isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    else:
+        raise TypeError(
+            f"inputs must be a mapping of forward arguments or a tensor, got {type(inputs).__name__}"
+        )
+    issues = _check_inputs(model, kwargs)
+    bad_params = {
+        name: int((~torch.isfinite(p.detach())).sum())
+        for name, p in model.named_parameters()
+        if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())
+    }
+    found: list[tuple[str, Tensor]] = []
+    if (
+        attention_stats
+        and _accepts(model, "output_attentions")
+        and "output_attentions" not in kwargs
+    ):
+        kwargs["output_attentions"] = True
+    error: str | None = None
+    output: Any = None
+    watch = NonFiniteWatch(model)
+    mask_handles = _mask_hooks(model, issues)
+    capture = _attention_capture(model, found) if attention_stats else contextlib.nullcontext()
+    backend = current()
+    try:
+        with torch.no_grad(), capture, watch:
+            output = model(*args, **kwargs)
+    except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        error = f"{type(e).__name__}: {e}"
+        issues.insert(
+            0,
+            Issue(
+                "error",
+                watch.deepest_on_error or "<model>",
+                f"the forward pass raised {error}",
+                "read the message: attnlab's errors name the values involved; "
+                "the input checks above may point at the cause",
+            ),
+        )
+    finally:
+        for h in mask_handles:
+            h.remove()
+    output_finite = error is None and all(_finite(t) for t in _tensors(output))
+    if watch.first_module is not None:
+        name = watch.first_module
+        in_params = {
+            p: n for p, n in bad_params.items() if p.startswith(f"{name}.") or name == "<model>"
+        }
+        outs = watch.first_outputs
+        ins = watch.first_inputs
+        inputs_finite = all(s.get("nan", 0) == 0 and s.get("inf", 0) == 0 for s in ins)
+        half = any(s.get("dtype") in ("float16", "bfloat16") for s in outs)
+        only_inf = all(s.get("nan", 0) == 0 for s in outs)
+        if in_params:
+            msg = (
+                f"first NaN/Inf appears in the output of {name}, whose parameters "
+                f"{sorted(in_params)} hold non-finite values"
+            )
+            fix = "reload or re-initialise those weights; check the checkpoint and the last optimizer steps"
+            kind = "nonfinite"
+        elif inputs_finite and half and only_inf:
+            peak = max((s.get("abs_max", 0.0) for s in ins), default=0.0)
+            msg = (
+                f"{name} turned finite inputs (largest |x| = {peak:.3g}) into Inf in "
+                f"{outs[0]['dtype']}: an overflow (float16 holds at most 65504)"
+            )
+            fix = (
+                "run in bfloat16 or float32, or keep this module in float32 "
+                "(module.float() and cast its input)"
+            )
+            kind = "overflow"
+        elif inputs_finite:
+            msg = f"{name} produced NaN/Inf from finite inputs: {outs}"
+            fix = "check this module's arithmetic (division by zero, log of 0, overflow)"
+            kind = "nonfinite"
+        else:
+            msg = f"{name} received non-finite inputs: {ins}"
+            fix = "the inputs passed to the model are not finite; check inputs_embeds / the data"
+            kind = "nonfinite"
+        issues.insert(0, Issue(kind, name, msg, fix))
+    elif bad_params:
+        issues.append(
+            Issue(
+                "nonfinite",
+                ", ".join(sorted(bad_params)),
+                f"parameters hold NaN/Inf: {bad_params} (the forward did not use them)",
+                "reload or re-initialise those weights",
+            )
+        )
+    heads: list[HeadStats] = []
+    for layer, (name, w) in enumerate(found):
+        stats = attention_head_stats(w, layer=layer, module=name)
+        heads += stats
+        worst = max(stats, key=lambda s: s.row_sum_error)
+        if worst.row_sum_error > row_sum_tol and math.isfinite(worst.row_sum_error):
+            mod = model.get_submodule(name) if name else model
+            used = getattr(mod, "backend", "auto")
+            used = backend if used == "auto" else used
+            issues.append(
+                Issue(
+                    "row_sum",
+                    name or "<model>",
+                    f"attention rows do not sum to one: |sum - 1| up to {worst.row_sum_error:.3g} "
+                    f"(head {worst.head}, layer {layer}); backend {used!r} produced these weights",
+                    "the attention implementation does not normalise its weights; compare with "
+                    "attnlab.backends.use('reference') and fix or drop the backend",
+                )
+            )
+        masked_rows = sum(s.fully_masked_rows for s in stats)
+        if masked_rows and not any(i.kind == "fully_masked" for i in issues):
+            issues.append(
+                Issue(
+                    "fully_masked",
+                    name or "<model>",
+                    f"{masked_rows} (query, head) rows in layer {layer} have every key masked",
+                    "check the mask: every query needs at least one key it may attend to",
+                )
+            )
+    return DiagnosisReport(
+        ok=not issues,
+        issues=issues,
+        first_nonfinite_module=watch.first_module,
+        first_nonfinite_inputs=watch.first_inputs,
+        nonfinite_parameters=bad_params,
+        output_finite=output_finite,
+        heads=heads,
+        backend=backend,
+        error=error,
+        error_module=watch.deepest_on_error if error else None,
+    )

@@ -1,0 +1,143 @@
+"""``attnlab generate``: stream tokens from a small model to the terminal.
+
+The model is a local transformers folder (config.json + safetensors, with its
+tokenizer if the folder has one) or a random tiny model for a quick try, whose
+"tokenizer" is UTF-8 bytes (vocabulary 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+RANDOM_ARCHS = ("gpt2", "llama", "mistral", "bloom", "t5")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text with a local transformers model or a random tiny one",
+        description="Stream generated tokens to the terminal.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="a local transformers model folder")
+    src.add_argument(
+        "--random", choices=RANDOM_ARCHS, help="a random tiny model of this architecture"
+    )
+    p.add_argument("--prompt", help="the prompt text")
+    p.add_argument("--ids", help="the prompt as space-separated token ids (instead of text)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random model and sampler")
+    p.set_defaults(func=run)
+
+
+class _Bytes:
+    """A byte-level tokenizer for the random models; unprintable bytes show as ``\\xNN``."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) if 32 <= i < 127 else f"\\x{i:02x}" for i in ids)
+
+
+def random_model(arch: str, seed: int) -> Any:
+    """A random tiny attnlab model of ``arch`` with a 256-token (byte) vocabulary."""
+    import torch
+
+    from attnlab.models.decoder import DecoderLM
+    from attnlab.models.decoder_config import DecoderConfig
+    from attnlab.models.seq2seq import Seq2SeqLM
+    from attnlab.models.seq2seq_config import Seq2SeqConfig
+
+    torch.manual_seed(seed)
+    if arch == "t5":
+        return Seq2SeqLM(
+            Seq2SeqConfig.t5(vocab_size=256, d_model=64, d_ff=128, num_layers=2, num_heads=4)
+        ).eval()
+    sizes: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+    )
+    config = {
+        "gpt2": lambda: DecoderConfig.gpt2(**sizes),
+        "llama": lambda: DecoderConfig.llama(**sizes, num_key_value_heads=2),
+        "mistral": lambda: DecoderConfig.mistral(**sizes, num_key_value_heads=2, sliding_window=64),
+        "bloom": lambda: DecoderConfig.bloom(**(sizes | {"intermediate_size": 256})),
+    }[arch]()
+    return DecoderLM(config).eval()
+
+
+def _tokenizer(folder: Path) -> Any:
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from attnlab.interop.hf import require_transformers
+
+    return require_transformers().AutoTokenizer.from_pretrained(str(folder))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import attnlab
+
+    if args.model is not None:
+        model = attnlab.from_hf(args.model)
+        tokenizer = _tokenizer(args.model)
+    else:
+        model = random_model(args.random, args.seed)
+        tokenizer = _Bytes()
+    if args.ids is not None:
+        prompt = [int(t) for t in args.ids.split()]
+    elif args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer files: pass the prompt with --ids")
+        prompt = list(tokenizer.encode(args.prompt))
+    else:
+        raise ValueError("pass a prompt with --prompt TEXT or --ids '1 2 3'")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    eos = args.eos if args.eos is not None else getattr(model.config, "eos_token_id", None)
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.tensor([prompt])
+    out = sys.stdout
+    # Decode the whole text each step and print what it adds: tokenizers join pieces
+    # (spaces, multi-byte characters) only in context.
+    context = [] if model.is_encoder_decoder else prompt
+    shown = ""
+    if tokenizer is not None:
+        shown = tokenizer.decode(context)
+        out.write(shown)
+        out.flush()
+    new: list[int] = []
+    for tok in model.stream(
+        ids,
+        args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=eos,
+        generator=generator,
+    ):
+        new.append(int(tok[0]))
+        if tokenizer is None:
+            out.write(f" {new[-1]}")
+        else:
+            text = tokenizer.decode(context + new)
+            out.write(text[len(shown) :] if text.startswith(shown) else text)
+            shown = text
+        out.flush()
+    out.write("\n")
+    return 0

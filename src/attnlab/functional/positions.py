@@ -1,0 +1,333 @@
+"""Positional encodings as pure functions: sinusoidal, RoPE (and its scalings), ALiBi, T5 buckets.
+
+Shape notation: ``B`` batch, ``H`` heads, ``L`` query length, ``S`` key length,
+``h_d`` head dim, ``P`` number of positions.
+
+Every function here is the reference math, written for clarity; the modules in
+:mod:`attnlab.modules.position` own the buffers and call these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ROPE_TYPES",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rope",
+    "rope_angles",
+    "rope_inv_freq",
+    "sinusoidal_table",
+    "t5_relative_position_bucket",
+]
+
+RopeConvention = Literal["half", "interleaved"]
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+# --------------------------------------------------------------------------- sinusoidal
+
+
+def sinusoidal_table(num_positions: int, dim: int, *, base: float = 10000.0) -> Tensor:
+    """The original Transformer's fixed position encodings (Vaswani et al., 2017, sec. 3.5).
+
+    ``PE[pos, 2i] = sin(pos / base^(2i/dim))`` and ``PE[pos, 2i+1] = cos(pos / base^(2i/dim))``.
+
+    Args:
+        num_positions: number of positions ``P``.
+        dim: encoding width (must be even).
+        base: the wavelength base (10000 in the paper).
+
+    Returns:
+        float32 ``[P, dim]``.
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"sinusoidal encodings need a positive even dim, got {dim}")
+    if num_positions < 0:
+        raise ValueError(f"num_positions must be >= 0, got {num_positions}")
+    pos = torch.arange(num_positions, dtype=torch.float64)[:, None]  # [P, 1]
+    two_i = torch.arange(0, dim, 2, dtype=torch.float64)  # [dim/2]
+    angle = pos / base ** (two_i / dim)  # [P, dim/2]
+    table = torch.empty(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle)
+    return table.float()
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def _base_inv_freq(dim: int, base: float) -> Tensor:
+    # The same float32 arithmetic as the reference implementations (Llama, transformers).
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
+
+
+def rope_inv_freq(
+    dim: int,
+    *,
+    base: float = 10000.0,
+    scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int = 2048,
+    seq_len: int | None = None,
+) -> tuple[Tensor, float]:
+    """Inverse frequencies of rotary embeddings (Su et al., 2021), with optional scaling.
+
+    ``scaling`` follows transformers' ``rope_parameters`` (``rope_type`` and its fields):
+
+    * ``"default"``: ``theta_i = base^(-2i/dim)``.
+    * ``"linear"``: position interpolation (Chen et al., 2023): ``theta_i / factor``.
+    * ``"dynamic"``: dynamic NTK: the base grows with the current length ``seq_len``
+      beyond ``max_position_embeddings``:
+      ``base * (factor * seq_len / max_pos - (factor - 1)) ** (dim / (dim - 2))``.
+    * ``"yarn"``: YaRN (Peng et al., 2023): interpolation for low frequencies, extrapolation
+      for high ones with a linear ramp between ``beta_slow`` and ``beta_fast`` rotations,
+      and an attention factor ``0.1 ln(factor) + 1`` on cos/sin.
+    * ``"llama3"``: Llama 3's frequency-dependent scaling (Meta, 2024): wavelengths longer
+      than ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
+      ``original_max / high_freq_factor`` kept, smoothly blended between.
+
+    Args:
+        dim: rotary width (the head dim, or the rotated part of it); even.
+        base: ``rope_theta``.
+        scaling: ``{"rope_type": ..., "factor": ..., ...}`` or None.
+        max_position_embeddings: the model's maximum positions (dynamic, yarn and llama3
+            fall back to it for ``original_max_position_embeddings``).
+        seq_len: the current sequence length (used by ``"dynamic"`` only).
+
+    Returns:
+        ``(inv_freq float32 [dim/2], attention_factor)``; cos and sin are multiplied by
+        ``attention_factor``.
+
+    Raises:
+        ValueError: an odd ``dim``, an unknown ``rope_type`` or missing/invalid fields.
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"rotary dim must be a positive even number, got {dim}")
+    params = dict(scaling or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unknown RoPE scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
+    if rope_type == "default":
+        return _base_inv_freq(dim, base), 1.0
+    factor = params.get("factor")
+    if rope_type != "yarn" and (not isinstance(factor, int | float) or factor < 1):
+        raise ValueError(f"RoPE scaling {rope_type!r} needs factor >= 1, got {factor!r}")
+    original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    if rope_type == "linear":
+        assert factor is not None
+        return _base_inv_freq(dim, base) / factor, 1.0
+    if rope_type == "dynamic":
+        n = max(seq_len or max_position_embeddings, max_position_embeddings)
+        assert factor is not None
+        new_base = base * ((factor * n / max_position_embeddings) - (factor - 1)) ** (
+            dim / (dim - 2)
+        )
+        return _base_inv_freq(dim, new_base), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(dim, base, params, original), 1.0
+    return _yarn_inv_freq(dim, base, params, original, max_position_embeddings)
+
+
+def _llama3_inv_freq(dim: int, base: float, p: Mapping[str, Any], original: int) -> Tensor:
+    try:
+        factor, low, high = (
+            float(p["factor"]),
+            float(p["low_freq_factor"]),
+            float(p["high_freq_factor"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"llama3 RoPE scaling needs {e.args[0]!r}; got {dict(p)}") from None
+    inv_freq = _base_inv_freq(dim, base)
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    dim: int, base: float, p: Mapping[str, Any], original: int, max_pos: int
+) -> tuple[Tensor, float]:
+    factor = p.get("factor")
+    if factor is None:
+        factor = max_pos / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength makes `rotations` turns over the original context.
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def rope_angles(
+    positions: Tensor, inv_freq: Tensor, *, attention_factor: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Cosines and sines of the rotation angles ``position * theta_i``.
+
+    Args:
+        positions: integer positions ``[..., S]``.
+        inv_freq: ``[h_d/2]``.
+        attention_factor: multiplies cos and sin (YaRN's temperature).
+
+    Returns:
+        ``(cos, sin)``, float32 ``[..., S, h_d/2]``.
+    """
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)  # [.., S, h_d/2]
+    return torch.cos(angles) * attention_factor, torch.sin(angles) * attention_factor
+
+
+def apply_rope(
+    x: Tensor, cos: Tensor, sin: Tensor, *, convention: RopeConvention = "half"
+) -> Tensor:
+    """Rotate pairs of features of ``x`` by the angles whose cos/sin are given (Su et al., 2021).
+
+    Two conventions pair the features differently:
+
+    * ``"half"`` (GPT-NeoX, Llama): feature ``i`` pairs with ``i + h_d/2``;
+    * ``"interleaved"`` (the paper, GPT-J): feature ``2i`` pairs with ``2i + 1``.
+
+    Each pair ``(a, b)`` becomes ``(a cos - b sin, a sin + b cos)``. Only the first
+    ``2 * cos.shape[-1]`` features rotate (partial rotary); the rest pass through.
+
+    Args:
+        x: ``[B, H, S, h_d]``.
+        cos: ``[B or 1, S, r/2]`` (broadcast over heads), as from :func:`rope_angles`.
+        sin: like ``cos``.
+        convention: ``"half"`` or ``"interleaved"``.
+
+    Returns:
+        ``x`` rotated, same shape and dtype.
+    """
+    if convention not in ("half", "interleaved"):
+        raise ValueError(f"RoPE convention must be 'half' or 'interleaved', got {convention!r}")
+    r = 2 * cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    c = cos.unsqueeze(-3).to(x.dtype)  # [B, 1, S, r/2]
+    s = sin.unsqueeze(-3).to(x.dtype)
+    if convention == "half":
+        a, b = rot[..., : r // 2], rot[..., r // 2 :]
+        out = torch.cat((a * c - b * s, a * s + b * c), dim=-1)  # [B, H, S, r]
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)  # [B, H, S, r]
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+# --------------------------------------------------------------------------- ALiBi
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi head slopes (Press et al., 2022, sec. 3).
+
+    For ``n`` a power of two the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n),
+    ..., 2^(-8)``. Otherwise, with ``m`` the largest power of two below ``n``, the slopes
+    are those of ``m`` heads followed by the first ``n - m`` odd-indexed slopes of ``2m``
+    heads (every other one), as the paper's reference code does.
+
+    Returns:
+        float32 ``[num_heads]``.
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    m = 2 ** math.floor(math.log2(num_heads))
+    slopes = geometric(m)
+    if m < num_heads:
+        slopes += geometric(2 * m)[0::2][: num_heads - m]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """ALiBi's linear bias ``-slope_h * (i - j)`` added to the score of query ``i``, key ``j``.
+
+    Args:
+        slopes: ``[H]``.
+        q_positions: ``[B, L]`` (or ``[L]``) query positions.
+        k_positions: ``[B, S]`` (or ``[S]``) key positions.
+
+    Returns:
+        float32 ``[B, H, L, S]`` (``B = 1`` for 1-D positions).
+    """
+    q = q_positions.reshape(-1, q_positions.shape[-1]).to(torch.float32)  # [B, L]
+    k = k_positions.reshape(-1, k_positions.shape[-1]).to(torch.float32)  # [B, S]
+    rel = k[:, None, None, :] - q[:, None, :, None]  # [B, 1, L, S]
+    return slopes.to(torch.float32).view(1, -1, 1, 1) * rel  # [B, H, L, S]
+
+
+# --------------------------------------------------------------------------- T5
+
+
+def t5_relative_position_bucket(
+    relative_position: Tensor,
+    *,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Tensor:
+    """T5's bucket of a relative position ``key - query`` (Raffel et al., 2020, sec. 2.1).
+
+    Half of the buckets (or all, when not bidirectional) hold exact small distances;
+    the rest cover distances up to ``max_distance`` logarithmically; farther distances
+    share the last bucket. Bidirectional attention uses separate buckets for keys after
+    the query; causal attention maps keys after the query to bucket 0.
+
+    Args:
+        relative_position: integer ``key_pos - query_pos``, any shape.
+        bidirectional: encoder (True) or decoder self-attention (False).
+        num_buckets: number of buckets.
+        max_distance: distance from which all positions share a bucket.
+
+    Returns:
+        Long tensor of bucket indices in ``[0, num_buckets)``, same shape.
+    """
+    buckets = torch.zeros_like(relative_position, dtype=torch.long)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.minimum(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    large = max_exact + (
+        torch.log(distance.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    large = torch.minimum(large, torch.full_like(large, num_buckets - 1))
+    return buckets + torch.where(is_small, distance.long(), large)

@@ -1,0 +1,300 @@
+"""Autoregressive generation with a KV cache: greedy or sampled, batched with left padding.
+
+Shape notation: ``B`` batch, ``P`` prompt length (padding included), ``N`` new tokens.
+
+The loop runs the prompt once, then one token per step against the cache. It follows
+transformers' ``generate``: positions of a left-padded row start at its first real
+token, a finished row (one that produced an EOS token) continues with the pad token,
+and generation stops when every row has finished or after ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.functional._checks import check_tensor
+from attnlab.functional.sampling import check_sampling, next_token
+from attnlab.functional.slot_masks import positions_from_mask
+from attnlab.generation.fast_step import fast_step_for
+
+__all__ = ["generate", "stream"]
+
+
+def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _check_inputs(
+    model: nn.Module, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None
+) -> None:
+    check_tensor("input_ids", input_ids)
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must be a non-empty integer (batch, prompt_len) tensor, got "
+            f"{input_ids.dtype} {tuple(input_ids.shape)}"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if attention_mask is not None:
+        check_tensor("attention_mask", attention_mask)
+        if attention_mask.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"batch sizes differ: input_ids has {input_ids.shape[0]} rows, attention_mask "
+                f"has {attention_mask.shape[0]}"
+            )
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                f"{tuple(attention_mask.shape)}"
+            )
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and not getattr(model, "is_encoder_decoder", False):
+        p = input_ids.shape[1]
+        if p > limit:
+            raise ValueError(
+                f"the prompt has {p} tokens, longer than the model's maximum positions "
+                f"(max_position_embeddings={limit})"
+            )
+        if getattr(config, "position_embedding", None) in ("learned", "sinusoidal") and (
+            p + max_new_tokens > limit
+        ):
+            raise ValueError(
+                f"prompt ({p}) + max_new_tokens ({max_new_tokens}) = {p + max_new_tokens} exceeds "
+                f"the model's learned positions (max_position_embeddings={limit})"
+            )
+
+
+@torch.no_grad()
+def stream(
+    model: nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    attention_mask: Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    pad_token_id: int | None = None,
+    cache: Any = None,
+    fast_path: bool = True,
+) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
+
+    Arguments as :func:`generate`. Rows that have finished yield the pad token.
+    """
+
+    check_sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+    _check_inputs(model, input_ids, max_new_tokens, attention_mask)
+    if max_new_tokens == 0:
+        return
+    config = model.config
+    device = input_ids.device
+    b, p = input_ids.shape
+    eos = _eos_tensor(eos_token_id, device)
+    if pad_token_id is None:
+        pad_token_id = getattr(config, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = int(eos[0]) if eos is not None else 0
+
+    def choose(logits: Tensor) -> Tensor:
+        return next_token(
+            logits[:, -1],
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+
+    if getattr(model, "is_encoder_decoder", False):
+        yield from _stream_seq2seq(
+            model, input_ids, max_new_tokens, attention_mask, choose, eos, pad_token_id, cache
+        )
+        return
+
+    needed = p + max_new_tokens
+    if cache is None:
+        cache = model.new_cache(max_length=needed)  # type: ignore[operator]
+    else:
+        _check_cache_room(cache, needed)
+    full_mask: Tensor | None = None
+    next_pos: Tensor | None = None
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        full_mask = torch.ones(b, needed, dtype=torch.long, device=device)
+        full_mask[:, :p] = attention_mask
+        next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    logits = model(
+        input_ids,
+        attention_mask=full_mask[:, :p] if full_mask is not None else None,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits
+    fast = fast_step_for(model, cache) if fast_path else None
+    for step in range(max_new_tokens):
+        tok = choose(logits)
+        if eos is not None:
+            tok = tok.masked_fill(finished, pad_token_id)
+        yield tok
+        if eos is not None:
+            finished |= torch.isin(tok, eos)
+            if bool(finished.all()):
+                return
+        if step + 1 == max_new_tokens:
+            return
+        length = p + step + 1
+        mask_now = full_mask[:, :length] if full_mask is not None else None
+        if fast is not None:
+            logits = fast(tok[:, None], cache=cache, attention_mask=mask_now, position_ids=next_pos)
+        else:
+            logits = model(
+                tok[:, None],
+                attention_mask=mask_now,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+        if next_pos is not None:
+            next_pos = next_pos + 1
+
+
+def _check_cache_room(cache: Any, needed: int) -> None:
+    for layer in getattr(cache, "layers", []):
+        room = getattr(layer, "max_length", None)
+        if room is not None and room - layer.length < needed:
+            raise ValueError(
+                f"cache too small: the prompt and max_new_tokens need {needed} slots, the cache "
+                f"has {room - layer.length} free (max_length={room}, {layer.length} used)"
+            )
+
+
+def _stream_seq2seq(
+    model: Any,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    attention_mask: Tensor | None,
+    choose: Any,
+    eos: Tensor | None,
+    pad_token_id: int,
+    cache: Any,
+) -> Iterator[Tensor]:
+    b = input_ids.shape[0]
+    device = input_ids.device
+    encoder_out = model.encode(input_ids, attention_mask=attention_mask)  # [B, S_enc, D]
+    if cache is None:
+        cache = model.new_cache(max_length=max_new_tokens + 1)
+    start_id = model.config.decoder_start_token_id
+    tok = torch.full((b,), start_id, dtype=torch.long, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        out = model(
+            attention_mask=attention_mask,
+            decoder_input_ids=tok[:, None],
+            encoder_outputs=encoder_out,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        tok = choose(out.logits)
+        if eos is not None:
+            tok = tok.masked_fill(finished, pad_token_id)
+        yield tok
+        if eos is not None:
+            finished |= torch.isin(tok, eos)
+            if bool(finished.all()):
+                return
+
+
+def generate(
+    model: nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    attention_mask: Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    pad_token_id: int | None = None,
+    cache: Any = None,
+    fast_path: bool = True,
+) -> Tensor:
+    """Generate up to ``max_new_tokens`` tokens after each prompt.
+
+    Args:
+        model: an attnlab causal LM (:class:`~attnlab.models.decoder.DecoderLM`) or
+            encoder-decoder (:class:`~attnlab.models.seq2seq.Seq2SeqLM`).
+        input_ids: ``[B, P]`` prompts, left-padded to a common length (the encoder
+            input for an encoder-decoder).
+        max_new_tokens: the most tokens to add.
+        attention_mask: ``[B, P]`` 1 (token) / 0 (padding).
+        do_sample: sample (True) or take the most likely token (False, greedy).
+        temperature: divides the logits when sampling; must be > 0.
+        top_k: sample among the ``k`` most likely tokens.
+        top_p: sample from the nucleus of probability ``p`` in ``(0, 1]``.
+        eos_token_id: token id(s) that end a row; later tokens of that row are padding.
+        generator: ``torch.Generator`` for reproducible sampling.
+        pad_token_id: the filler after EOS (default: the config's, else the EOS id, else 0).
+        cache: a :class:`~attnlab.cache.ModelCache` to use (default: a fresh one sized
+            for the prompt and the new tokens).
+        fast_path: decode with :class:`~attnlab.generation.fast_step.FastDecodeStep`
+            where it applies (same results; False runs every step through the modules).
+
+    Returns:
+        Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
+        new tokens); ``[B, 1 + N]`` for an encoder-decoder (the decoder start token,
+        then the new tokens), as transformers returns.
+
+    Raises:
+        ValueError: a prompt longer than the model's maximum positions, a cache too
+            small, mismatched batch sizes, ``top_p`` outside ``(0, 1]``, ``temperature
+            <= 0`` with sampling.
+    """
+    tokens = list(
+        stream(
+            model,
+            input_ids,
+            max_new_tokens,
+            attention_mask,
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id,
+            generator,
+            pad_token_id=pad_token_id,
+            cache=cache,
+            fast_path=fast_path,
+        )
+    )
+    if getattr(model, "is_encoder_decoder", False):
+        config: Any = model.config
+        prefix = torch.full(
+            (input_ids.shape[0], 1),
+            config.decoder_start_token_id,
+            dtype=torch.long,
+            device=input_ids.device,
+        )
+    else:
+        prefix = input_ids
+    if not tokens:
+        return prefix.clone()
+    return torch.cat((prefix, torch.stack(tokens, dim=1)), dim=1)

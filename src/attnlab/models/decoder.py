@@ -1,0 +1,378 @@
+"""Decoder-only language models (GPT-2, Llama, Mistral, BLOOM) built from :class:`DecoderConfig`.
+
+Shape notation: ``B`` batch, ``L`` new tokens, ``T`` slots so far (cached + new),
+``S`` keys attended to, ``D`` width, ``V`` vocabulary.
+
+The config names the components; :func:`build_decoder_layer` turns them into a
+:class:`~attnlab.modules.decoder_layer.DecoderLayer` with a
+:class:`~attnlab.modules.attention.MultiHeadAttention` that holds the position
+component (a shared :class:`RotaryEmbedding` or :class:`ALiBi`).
+
+Positions and masks follow transformers' ``generate``: with an ``attention_mask`` of a
+left-padded batch, each row's positions start at 0 at its first real token
+(``cumsum(mask) - 1``), and masks compare slots (see :mod:`attnlab.cache.kv_cache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.cache.kv_cache import (
+    DynamicKVCache,
+    KVCache,
+    ModelCache,
+    SlidingWindowKVCache,
+    StaticKVCache,
+)
+from attnlab.functional._checks import check_tensor
+from attnlab.functional.slot_masks import positions_from_mask, slot_mask
+from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.outputs import CausalLMOutput
+from attnlab.modules.attention import MultiHeadAttention
+from attnlab.modules.decoder_layer import DecoderLayer
+from attnlab.modules.mlp import FeedForward, GatedFeedForward
+from attnlab.modules.norms import RMSNorm
+from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from attnlab.modules.rotary import RotaryEmbedding
+from attnlab.modules.score_bias import ALiBi
+
+__all__ = ["DecoderLM", "build_decoder_layer", "make_norm"]
+
+CacheKind = Literal["dynamic", "static"]
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``"rmsnorm"`` -> :class:`RMSNorm`, ``"layernorm"`` -> ``nn.LayerNorm``."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm' or 'layernorm'")
+
+
+def build_decoder_layer(
+    config: DecoderConfig,
+    *,
+    rotary: nn.Module | None = None,
+    score_bias: nn.Module | None = None,
+    backend: str = "auto",
+) -> DecoderLayer:
+    """One decoder layer as ``config`` describes it, with the given position components."""
+    d = config.hidden_size
+    ff: nn.Module
+    if config.mlp == "gated":
+        ff = GatedFeedForward(
+            embed_dim=d,
+            hidden_dim=config.intermediate_size,
+            activation=config.hidden_act,
+            bias=config.mlp_bias,
+        )
+    else:
+        ff = FeedForward(
+            embed_dim=d,
+            hidden_dim=config.intermediate_size,
+            activation=config.hidden_act,
+            bias=config.mlp_bias,
+        )
+    return DecoderLayer(
+        self_attention=MultiHeadAttention(
+            embed_dim=d,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            bias=config.attention_bias,
+            out_bias=config.attention_out_bias,
+            dropout=config.attention_dropout,
+            backend=backend,
+            rotary=rotary,
+            score_bias=score_bias,
+        ),
+        feed_forward=ff,
+        self_attn_norm=make_norm(config.norm, d, config.norm_eps),
+        ffn_norm=make_norm(config.norm, d, config.norm_eps),
+        norm_position="pre",
+        dropout=config.hidden_dropout,
+    )
+
+
+class DecoderLM(nn.Module):
+    """A pre-LN decoder-only Transformer with a language-model head.
+
+    GPT-2 (Radford et al., 2019), Llama (Touvron et al., 2023), Mistral (Jiang et al.,
+    2023) and BLOOM (BigScience, 2022) are configurations of this one class.
+
+    Args:
+        config: the architecture.
+        backend: attention backend for every layer.
+    """
+
+    is_encoder_decoder = False
+
+    def __init__(self, config: DecoderConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_positions: nn.Module | None = None
+        if config.position_embedding == "learned":
+            self.embed_positions = LearnedPositionalEmbedding(
+                num_positions=config.max_position_embeddings, embed_dim=d
+            )
+        elif config.position_embedding == "sinusoidal":
+            self.embed_positions = SinusoidalPositionalEmbedding(
+                num_positions=config.max_position_embeddings, embed_dim=d
+            )
+        self.embed_norm = (
+            make_norm(config.norm, d, config.norm_eps) if config.embedding_norm else None
+        )
+        self.rotary: RotaryEmbedding | None = None
+        self.alibi: ALiBi | None = None
+        if config.position_embedding == "rope":
+            assert config.head_dim is not None
+            self.rotary = RotaryEmbedding(
+                dim=config.head_dim,
+                base=config.rope_theta,
+                scaling=config.rope_scaling,
+                max_position_embeddings=config.max_position_embeddings,
+                convention="interleaved" if config.rope_convention == "interleaved" else "half",
+            )
+        elif config.position_embedding == "alibi":
+            self.alibi = ALiBi(num_heads=config.num_attention_heads)
+        self.layers = nn.ModuleList(
+            build_decoder_layer(config, rotary=self.rotary, score_bias=self.alibi, backend=backend)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = make_norm(config.norm, d, config.norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        )
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def num_parameters(self) -> int:
+        """Number of parameters (tied matrices counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The LM head's ``[V, D]`` matrix (the token embeddings when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, *, kind: CacheKind = "dynamic", max_length: int = 0) -> ModelCache:
+        """Empty caches for every layer.
+
+        Args:
+            kind: ``"dynamic"`` (growing; a rolling window cache for sliding-window
+                models) or ``"static"`` (preallocated, static shapes).
+            max_length: slots to preallocate (required for ``"static"``).
+        """
+        window = self.config.sliding_window
+        if kind == "static":
+            return ModelCache.build(len(self.layers), lambda: StaticKVCache(max_length=max_length))
+        if kind != "dynamic":
+            raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
+        if window is not None:
+            return ModelCache.build(len(self.layers), lambda: SlidingWindowKVCache(window=window))
+        return ModelCache.build(len(self.layers), lambda: DynamicKVCache(capacity=max_length))
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: ModelCache | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        inputs_embeds: Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput:
+        """Next-token logits for ``L`` new tokens, after the cached ones.
+
+        Args:
+            input_ids: ``[B, L]`` token ids (or ``inputs_embeds [B, L, D]``).
+            attention_mask: ``[B, T]`` of 1/0 over cached + new tokens (``T = cached + L``);
+                left padding is supported.
+            position_ids: ``[B, L]`` positions; default from ``attention_mask``
+                (``cumsum - 1``) or ``cached .. cached+L-1``.
+            past_key_values: a :class:`ModelCache` (from :meth:`new_cache` or a previous
+                output); updated in place.
+            use_cache: start a cache when none is given and return it.
+            output_attentions: return each layer's attention weights.
+            output_hidden_states: return the embeddings and every layer's output.
+            inputs_embeds: ``[B, L, D]`` instead of ``input_ids``.
+            logits_to_keep: compute logits for the last ``n`` tokens only (0 = all).
+
+        Returns:
+            :class:`CausalLMOutput`.
+
+        Raises:
+            ValueError: mismatched batch sizes or lengths, positions beyond a learned
+                table, a cache too small.
+        """
+        x = self._embed_tokens(input_ids, inputs_embeds)  # [B, L, D]
+        b, n = x.shape[:2]
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = self.new_cache()
+        start = cache.length if cache is not None else 0
+        total = start + n
+        mask = self._check_mask(attention_mask, b, total)
+        full_pos = positions_from_mask(mask) if mask is not None else None  # [B, T]
+        positions = self._positions(position_ids, full_pos, b, start, n, x.device)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = self.dropout(x)
+
+        attn_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
+        key_positions = None
+        if self.alibi is not None:
+            slots = k_slots if k_slots is not None else torch.arange(total, device=x.device)
+            key_positions = (
+                full_pos[:, slots.clamp(0, total - 1)] if full_pos is not None else slots
+            )
+        hidden: list[Tensor] = [x] if output_hidden_states else []
+        attentions: list[Tensor] = []
+        layer_caches: Iterator[KVCache | None] = (
+            iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
+        )
+        for layer, layer_cache in zip(self.layers, layer_caches):
+            x, w, _ = layer(
+                x,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                positions=positions,
+                key_positions=key_positions,
+                cache=layer_cache,
+                cache_start=start,
+                need_weights=output_attentions,
+            )
+            if output_attentions:
+                assert w is not None
+                attentions.append(w)
+            if output_hidden_states:
+                hidden.append(x)
+        x = self.norm(x)
+        if output_hidden_states:
+            hidden[-1] = x
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
+        return CausalLMOutput(
+            logits=logits,
+            past_key_values=cache if (use_cache or past_key_values is not None) else None,
+            hidden_states=tuple(hidden) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+
+    # ------------------------------------------------------------------ pieces
+
+    def _embed_tokens(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            check_tensor("inputs_embeds", inputs_embeds)
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}), got "
+                    f"{tuple(inputs_embeds.shape)}"
+                )
+            return inputs_embeds
+        assert input_ids is not None
+        check_tensor("input_ids", input_ids)
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ValueError(
+                f"input_ids must be integer (batch, seq_len), got {input_ids.dtype} "
+                f"{tuple(input_ids.shape)}"
+            )
+        if input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
+        ):
+            raise ValueError(
+                f"token ids must lie in [0, vocab_size={self.config.vocab_size}), got range "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        return self.embed_tokens(input_ids)
+
+    @staticmethod
+    def _check_mask(attention_mask: Tensor | None, b: int, total: int) -> Tensor | None:
+        if attention_mask is None:
+            return None
+        check_tensor("attention_mask", attention_mask)
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != b:
+            raise ValueError(
+                f"attention_mask must be (batch, cached + new tokens) with batch {b} as the "
+                f"input ids, got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape[1] != total:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} tokens, but cached + new "
+                f"tokens = {total}"
+            )
+        return None if bool(attention_mask.bool().all()) else attention_mask
+
+    @staticmethod
+    def _positions(
+        position_ids: Tensor | None,
+        full_pos: Tensor | None,
+        b: int,
+        start: int,
+        n: int,
+        device: torch.device,
+    ) -> Tensor:
+        if position_ids is not None:
+            check_tensor("position_ids", position_ids)
+            pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+            if pos.shape[-1] != n or pos.shape[0] not in (1, b):
+                raise ValueError(
+                    f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
+                )
+            return pos
+        if full_pos is not None:
+            return full_pos[:, start:]  # [B, L]
+        return torch.arange(start, start + n, device=device)[None]  # [1, L]
+
+    def _self_mask(
+        self,
+        cache: ModelCache | None,
+        mask: Tensor | None,
+        start: int,
+        n: int,
+        device: torch.device,
+    ) -> tuple[Tensor | None, bool, Tensor | None]:
+        """``(attn_mask, is_causal, key slots or None)`` shared by all layers."""
+        window = self.config.sliding_window
+        first: KVCache | None = cache.layers[0] if cache is not None and cache.layers else None
+        contiguous = first is None or isinstance(first, DynamicKVCache)
+        if mask is None and window is None and contiguous:
+            if start == 0:
+                return None, n > 1, None
+            if n == 1:
+                return None, False, None
+        k_slots = (
+            first.key_slots(start, n, device)
+            if first is not None
+            else torch.arange(start + n, device=device)
+        )
+        q_slots = torch.arange(start, start + n, device=device)
+        return slot_mask(q_slots, k_slots, attention_mask=mask, window=window), False, k_slots
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
+        """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""
+        # generation/ sits above models/; imported here, at call time, on purpose.
+        from attnlab.generation.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def stream(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[Tensor]:
+        """Yield new tokens ``[B]`` as they come; see :func:`attnlab.generation.stream`."""
+        from attnlab.generation.generate import stream
+
+        return stream(self, input_ids, max_new_tokens, **kwargs)

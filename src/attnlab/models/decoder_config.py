@@ -1,0 +1,200 @@
+"""Config of decoder-only language models: GPT-2, Llama, Mistral and BLOOM shapes from one dataclass.
+
+Field names follow transformers' ``LlamaConfig`` where one exists. The variant is
+chosen by values naming components (``position_embedding="rope"``, ``norm="rmsnorm"``,
+``mlp="gated"``), which :mod:`attnlab.models.decoder` turns into modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from attnlab.functional.positions import ROPE_TYPES
+from attnlab.models.config import _positive, _probability
+from attnlab.modules.activations import activation_names
+
+__all__ = ["DecoderConfig"]
+
+POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal", "alibi", "none")
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("gated", "standard")
+
+
+@dataclass
+class DecoderConfig:
+    """A decoder-only Transformer language model.
+
+    Attributes:
+        vocab_size: number of token ids.
+        hidden_size: model width ``D``.
+        num_hidden_layers: number of decoder layers.
+        num_attention_heads: query heads ``H``.
+        num_key_value_heads: key/value heads (GQA, Ainslie et al., 2023); default ``H``.
+        head_dim: per-head width; default ``hidden_size // num_attention_heads``.
+        intermediate_size: feed-forward inner width.
+        hidden_act: feed-forward activation name.
+        mlp: ``"gated"`` (SwiGLU, Llama) or ``"standard"`` (two layers, GPT-2/BLOOM).
+        norm: ``"rmsnorm"`` (Llama) or ``"layernorm"`` (GPT-2, BLOOM).
+        norm_eps: epsilon of the norms.
+        position_embedding: ``"rope"``, ``"learned"`` (GPT-2), ``"sinusoidal"``,
+            ``"alibi"`` (BLOOM) or ``"none"``.
+        max_position_embeddings: maximum positions (learned/sinusoidal tables; RoPE
+            scaling's reference length).
+        rope_theta: RoPE base.
+        rope_scaling: transformers-style ``rope_parameters`` without ``rope_theta``
+            (``{"rope_type": "linear", "factor": 2.0}``...), or None.
+        rope_convention: ``"half"`` (Llama) or ``"interleaved"`` (GPT-J).
+        sliding_window: Mistral's window ``W`` (each token sees ``W`` tokens, itself
+            included), or None.
+        attention_bias: biases on q/k/v projections.
+        attention_out_bias: bias on the output projection (default ``attention_bias``).
+        mlp_bias: biases in the feed-forward.
+        embedding_norm: a LayerNorm after the token embeddings (BLOOM).
+        tie_word_embeddings: the LM head reuses the token embedding matrix.
+        attention_dropout: dropout on attention weights.
+        hidden_dropout: dropout on embeddings and sublayer outputs.
+        pad_token_id, bos_token_id, eos_token_id: special token ids (or None).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 11008
+    hidden_act: str = "silu"
+    mlp: str = "gated"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    position_embedding: str = "rope"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_convention: str = "half"
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool | None = None
+    mlp_bias: bool = False
+    embedding_norm: bool = False
+    tie_word_embeddings: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            _positive(name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _positive("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}), or set head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _positive("head_dim", self.head_dim)
+        for name, value, allowed in (
+            ("mlp", self.mlp, MLPS),
+            ("norm", self.norm, NORMS),
+            ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
+            ("rope_convention", self.rope_convention, ("half", "interleaved")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if self.hidden_act not in activation_names():
+            raise ValueError(f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise TypeError(
+                    f"rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}"
+                )
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in ROPE_TYPES:
+                raise ValueError(
+                    f"unknown RoPE scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}"
+                )
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+        _probability("attention_dropout", self.attention_dropout)
+        _probability("hidden_dropout", self.hidden_dropout)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            tok = getattr(self, name)
+            if tok is not None and not 0 <= tok < self.vocab_size:
+                raise ValueError(f"{name} ({tok}) must be in [0, vocab_size={self.vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DecoderConfig:
+        """Build from a dict, rejecting unknown keys by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DecoderConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    # ------------------------------------------------------------------ presets
+
+    @classmethod
+    def llama(cls, **overrides: Any) -> DecoderConfig:
+        """Llama's components (RoPE, RMSNorm, SwiGLU, GQA-capable); sizes from ``overrides``."""
+        return cls(**overrides)
+
+    @classmethod
+    def mistral(cls, *, sliding_window: int = 4096, **overrides: Any) -> DecoderConfig:
+        """Llama's components with sliding-window attention (Jiang et al., 2023)."""
+        return cls(sliding_window=sliding_window, **overrides)
+
+    @classmethod
+    def gpt2(cls, **overrides: Any) -> DecoderConfig:
+        """GPT-2's components: learned positions, LayerNorm, GELU (tanh), tied embeddings."""
+        base: dict[str, Any] = dict(
+            position_embedding="learned",
+            norm="layernorm",
+            norm_eps=1e-5,
+            mlp="standard",
+            hidden_act="gelu_new",
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+        )
+        return cls(**(base | overrides))
+
+    @classmethod
+    def bloom(cls, **overrides: Any) -> DecoderConfig:
+        """BLOOM's components: ALiBi, LayerNorm (also after the embeddings), GELU, tied."""
+        base: dict[str, Any] = dict(
+            position_embedding="alibi",
+            norm="layernorm",
+            norm_eps=1e-5,
+            mlp="standard",
+            hidden_act="gelu_new",
+            attention_bias=True,
+            mlp_bias=True,
+            embedding_norm=True,
+            tie_word_embeddings=True,
+        )
+        return cls(**(base | overrides))

@@ -1,0 +1,323 @@
+"""Encoder-decoder language models (the original Transformer, T5) from :class:`Seq2SeqConfig`.
+
+Shape notation: ``B`` batch, ``S`` encoder length, ``L`` new decoder tokens,
+``D`` width, ``V`` vocabulary.
+
+The encoder is a stack of :class:`~attnlab.modules.encoder_layer.EncoderLayer`; the
+decoder a stack of :class:`~attnlab.modules.decoder_layer.DecoderLayer` with causal
+self-attention and cross-attention to the encoder output. T5's relative position
+bias is one :class:`~attnlab.modules.score_bias.T5RelativePositionBias` per stack,
+shared as the ``score_bias`` component of that stack's self-attentions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.cache.kv_cache import DynamicKVCache, ModelCache
+from attnlab.functional._checks import check_tensor
+from attnlab.functional.masks import padding_mask
+from attnlab.functional.slot_masks import slot_mask
+from attnlab.models.decoder import make_norm
+from attnlab.models.outputs import Seq2SeqLMOutput
+from attnlab.models.seq2seq_config import Seq2SeqConfig
+from attnlab.modules.attention import MultiHeadAttention
+from attnlab.modules.decoder_layer import DecoderLayer
+from attnlab.modules.encoder_layer import EncoderLayer
+from attnlab.modules.mlp import FeedForward, GatedFeedForward
+from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from attnlab.modules.score_bias import T5RelativePositionBias
+
+__all__ = ["Seq2SeqLM"]
+
+
+class Seq2SeqLM(nn.Module):
+    """An encoder-decoder Transformer with a language-model head.
+
+    Args:
+        config: the architecture.
+        backend: attention backend for every layer.
+    """
+
+    is_encoder_decoder = True
+
+    def __init__(self, config: Seq2SeqConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(config, Seq2SeqConfig):
+            raise TypeError(f"config must be a Seq2SeqConfig, got {type(config).__name__}")
+        self.config = config
+        self.backend = backend
+        d = config.d_model
+        self.shared = nn.Embedding(config.vocab_size, d)
+        self.embed_positions: nn.Module | None = None
+        if config.position_embedding == "sinusoidal":
+            self.embed_positions = SinusoidalPositionalEmbedding(
+                num_positions=config.max_position_embeddings, embed_dim=d
+            )
+        elif config.position_embedding == "learned":
+            self.embed_positions = LearnedPositionalEmbedding(
+                num_positions=config.max_position_embeddings, embed_dim=d
+            )
+        self.encoder_bias: T5RelativePositionBias | None = None
+        self.decoder_bias: T5RelativePositionBias | None = None
+        if config.position_embedding == "t5_relative":
+            self.encoder_bias = self._relative_bias(bidirectional=True)
+            self.decoder_bias = self._relative_bias(bidirectional=False)
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(
+                attention=self._attention(score_bias=self.encoder_bias),
+                feed_forward=self._feed_forward(),
+                attn_norm=self._norm(),
+                ffn_norm=self._norm(),
+                norm_position="pre" if config.norm_position == "pre" else "post",
+                dropout=config.dropout_rate,
+            )
+            for _ in range(config.num_layers)
+        )
+        assert config.num_decoder_layers is not None
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(
+                self_attention=self._attention(score_bias=self.decoder_bias),
+                cross_attention=self._attention(score_bias=None),
+                feed_forward=self._feed_forward(),
+                self_attn_norm=self._norm(),
+                cross_attn_norm=self._norm(),
+                ffn_norm=self._norm(),
+                norm_position="pre" if config.norm_position == "pre" else "post",
+                dropout=config.dropout_rate,
+            )
+            for _ in range(config.num_decoder_layers)
+        )
+        pre = config.norm_position == "pre"
+        self.encoder_norm = self._norm() if pre else None
+        self.decoder_norm = self._norm() if pre else None
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        )
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    # ------------------------------------------------------------------ builders
+
+    def _relative_bias(self, *, bidirectional: bool) -> T5RelativePositionBias:
+        c = self.config
+        return T5RelativePositionBias(
+            num_heads=c.num_heads,
+            num_buckets=c.relative_attention_num_buckets,
+            max_distance=c.relative_attention_max_distance,
+            bidirectional=bidirectional,
+        )
+
+    def _attention(self, *, score_bias: nn.Module | None) -> MultiHeadAttention:
+        c = self.config
+        return MultiHeadAttention(
+            embed_dim=c.d_model,
+            num_heads=c.num_heads,
+            head_dim=c.d_kv,
+            bias=c.bias,
+            backend=self.backend,
+            score_bias=score_bias,
+            scale=c.attention_scale,
+        )
+
+    def _feed_forward(self) -> nn.Module:
+        c = self.config
+        cls = GatedFeedForward if c.mlp == "gated" else FeedForward
+        return cls(embed_dim=c.d_model, hidden_dim=c.d_ff, activation=c.dense_act_fn, bias=c.bias)
+
+    def _norm(self) -> nn.Module:
+        return make_norm(self.config.norm, self.config.d_model, self.config.layer_norm_epsilon)
+
+    # ------------------------------------------------------------------ running
+
+    @property
+    def output_weight(self) -> Tensor:
+        return self.shared.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, *, max_length: int = 0) -> ModelCache:
+        """Self-attention and cross-attention caches for every decoder layer."""
+        return ModelCache.build(
+            len(self.decoder_layers), lambda: DynamicKVCache(capacity=max_length), cross=True
+        )
+
+    def _embed(self, ids: Tensor, positions: Tensor) -> Tensor:
+        check_tensor("input_ids", ids)
+        if ids.dim() != 2 or ids.dtype.is_floating_point:
+            raise ValueError(
+                f"token ids must be integer (batch, seq_len), got {ids.dtype} {tuple(ids.shape)}"
+            )
+        x = self.shared(ids)  # [B, L, D]
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.d_model)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions)
+        return self.dropout(x)
+
+    def encode(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        output_attentions: bool = False,
+    ) -> Tensor:
+        """Encoder output ``[B, S, D]`` for ``input_ids [B, S]`` (mask 1/0 ``[B, S]``)."""
+        return self._encode(input_ids, attention_mask, output_attentions)[0]
+
+    def _encode(
+        self, input_ids: Tensor, attention_mask: Tensor | None, output_attentions: bool
+    ) -> tuple[Tensor, list[Tensor]]:
+        s = input_ids.shape[-1]
+        x = self._embed(input_ids, torch.arange(s, device=input_ids.device)[None])
+        mask = self._encoder_mask(attention_mask, input_ids.shape[0], s)
+        weights: list[Tensor] = []
+        for layer in self.encoder_layers:
+            x, w = layer(x, attn_mask=mask, need_weights=output_attentions)
+            if output_attentions:
+                assert w is not None
+                weights.append(w)
+        if self.encoder_norm is not None:
+            x = self.dropout(self.encoder_norm(x))
+        return x, weights
+
+    @staticmethod
+    def _encoder_mask(attention_mask: Tensor | None, b: int, s: int) -> Tensor | None:
+        if attention_mask is None:
+            return None
+        check_tensor("attention_mask", attention_mask)
+        if tuple(attention_mask.shape) != (b, s):
+            raise ValueError(
+                f"attention_mask must be (batch, encoder_len) = {(b, s)}, got "
+                f"{tuple(attention_mask.shape)}"
+            )
+        pad = padding_mask(attention_mask)  # [B, 1, 1, S]
+        return None if bool(pad.all()) else pad
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        decoder_input_ids: Tensor | None = None,
+        decoder_attention_mask: Tensor | None = None,
+        encoder_outputs: Tensor | None = None,
+        past_key_values: ModelCache | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        logits_to_keep: int = 0,
+    ) -> Seq2SeqLMOutput:
+        """Decoder logits for ``decoder_input_ids`` given the source.
+
+        Args:
+            input_ids: ``[B, S]`` source tokens (not needed with ``encoder_outputs``).
+            attention_mask: ``[B, S]`` 1/0 over the source.
+            decoder_input_ids: ``[B, L]`` new decoder tokens (after the cached ones).
+            decoder_attention_mask: ``[B, T]`` 1/0 over cached + new decoder tokens.
+            encoder_outputs: ``[B, S, D]`` precomputed encoder output.
+            past_key_values: decoder caches (:meth:`new_cache`), updated in place.
+            use_cache: start a cache if none is given, and return it.
+            output_attentions: return attention weights of every layer.
+            logits_to_keep: logits of the last ``n`` tokens only (0 = all).
+
+        Returns:
+            :class:`Seq2SeqLMOutput`.
+        """
+        enc_weights: list[Tensor] = []
+        if encoder_outputs is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or encoder_outputs")
+            encoder_outputs, enc_weights = self._encode(
+                input_ids, attention_mask, output_attentions
+            )
+        if decoder_input_ids is None:
+            raise ValueError("decoder_input_ids is required")
+        b, n = decoder_input_ids.shape[0], decoder_input_ids.shape[-1]
+        if encoder_outputs.shape[0] != b:
+            raise ValueError(
+                f"batch sizes differ: decoder_input_ids has {b} rows, the encoder output "
+                f"{encoder_outputs.shape[0]}"
+            )
+        enc_mask = self._encoder_mask(attention_mask, b, encoder_outputs.shape[1])
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = self.new_cache()
+        start = cache.length if cache is not None else 0
+        device = decoder_input_ids.device
+        positions = torch.arange(start, start + n, device=device)[None]  # [1, L]
+        x = self._embed(decoder_input_ids, positions)
+        self_mask: Tensor | None = None
+        is_causal = False
+        if decoder_attention_mask is not None or (start > 0 and n > 1):
+            if decoder_attention_mask is not None and tuple(decoder_attention_mask.shape) != (
+                b,
+                start + n,
+            ):
+                raise ValueError(
+                    f"decoder_attention_mask must be (batch, cached + new) = {(b, start + n)}, "
+                    f"got {tuple(decoder_attention_mask.shape)}"
+                )
+            self_mask = slot_mask(
+                positions[0],
+                torch.arange(start + n, device=device),
+                attention_mask=decoder_attention_mask,
+            )
+        else:
+            is_causal = start == 0 and n > 1
+        self_w: list[Tensor] = []
+        cross_w: list[Tensor] = []
+        layer_caches: Iterator[Any] = iter(cache.layers) if cache else iter([None] * n_layers(self))
+        cross_caches: Iterator[Any] = (
+            iter(cache.cross)
+            if cache is not None and cache.cross
+            else iter([None] * n_layers(self))
+        )
+        for layer, lc, cc in zip(self.decoder_layers, layer_caches, cross_caches):
+            x, sw, cw = layer(
+                x,
+                attn_mask=self_mask,
+                is_causal=is_causal,
+                positions=positions,
+                cache=lc,
+                cache_start=start,
+                encoder_hidden_states=encoder_outputs,
+                encoder_mask=enc_mask,
+                cross_cache=cc,
+                need_weights=output_attentions,
+            )
+            if output_attentions:
+                assert sw is not None and cw is not None
+                self_w.append(sw)
+                cross_w.append(cw)
+        if self.decoder_norm is not None:
+            x = self.dropout(self.decoder_norm(x))
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        if self.lm_head is None and self.config.rescale_output:
+            x = x * self.config.d_model**-0.5
+        logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
+        return Seq2SeqLMOutput(
+            logits=logits,
+            past_key_values=cache if (use_cache or past_key_values is not None) else None,
+            encoder_last_hidden_state=encoder_outputs,
+            decoder_attentions=tuple(self_w) if output_attentions else None,
+            cross_attentions=tuple(cross_w) if output_attentions else None,
+            encoder_attentions=tuple(enc_weights) if output_attentions and enc_weights else None,
+        )
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
+        """Generate decoder tokens; see :func:`attnlab.generation.generate`."""
+        from attnlab.generation.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def stream(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[Tensor]:
+        """Yield decoder tokens ``[B]`` as they come; see :func:`attnlab.generation.stream`."""
+        from attnlab.generation.generate import stream
+
+        return stream(self, input_ids, max_new_tokens, **kwargs)
+
+
+def n_layers(model: Seq2SeqLM) -> int:
+    return len(model.decoder_layers)

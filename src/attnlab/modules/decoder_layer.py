@@ -1,0 +1,145 @@
+"""One Transformer decoder layer: causal self-attention, optional cross-attention, feed-forward.
+
+Shape notation: ``B`` batch, ``L`` new tokens, ``S_enc`` encoder length, ``D`` width.
+
+* pre-LN (GPT-2, Llama, BLOOM, T5): ``x = x + drop(sublayer(norm(x)))`` per sublayer;
+  the stack ends with one more norm.
+* post-LN (Vaswani et al., 2017): ``x = norm(x + drop(sublayer(x)))``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
+from attnlab.functional.attention import AttnMask
+from attnlab.modules.attention import MultiHeadAttention
+from attnlab.modules.encoder_layer import NormPosition
+
+__all__ = ["DecoderLayer"]
+
+
+class DecoderLayer(nn.Module):
+    """Self-attention (+ cross-attention) + feed-forward with residuals and norms.
+
+    Args:
+        self_attention: the (causal) self-attention module, with its position components.
+        feed_forward: the feed-forward module (:class:`~attnlab.modules.mlp.FeedForward`
+            or :class:`~attnlab.modules.mlp.GatedFeedForward`).
+        self_attn_norm: norm of the self-attention sublayer.
+        ffn_norm: norm of the feed-forward sublayer.
+        cross_attention: encoder-decoder attention, or None for a decoder-only model.
+        cross_attn_norm: norm of the cross-attention sublayer (with ``cross_attention``).
+        norm_position: ``"pre"`` or ``"post"``.
+        dropout: dropout on each sublayer's output (training only).
+    """
+
+    def __init__(
+        self,
+        *,
+        self_attention: MultiHeadAttention,
+        feed_forward: nn.Module,
+        self_attn_norm: nn.Module,
+        ffn_norm: nn.Module,
+        cross_attention: MultiHeadAttention | None = None,
+        cross_attn_norm: nn.Module | None = None,
+        norm_position: NormPosition = "pre",
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if norm_position not in ("pre", "post"):
+            raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
+        if (cross_attention is None) != (cross_attn_norm is None):
+            raise ValueError("cross_attention and cross_attn_norm go together")
+        self.self_attention = self_attention
+        self.self_attn_norm = self_attn_norm
+        self.cross_attention = cross_attention
+        self.cross_attn_norm = cross_attn_norm
+        self.feed_forward = feed_forward
+        self.ffn_norm = ffn_norm
+        self.norm_position = norm_position
+        self.dropout = nn.Dropout(dropout)
+
+    def extra_repr(self) -> str:
+        return f"norm_position={self.norm_position!r}"
+
+    def _sublayer(self, x: Tensor, norm: nn.Module, fn: object) -> tuple[Tensor, Tensor | None]:
+        assert callable(fn)
+        drop = self.dropout.p > 0 and self.training
+        if self.norm_position == "pre":
+            out, w = fn(norm(x))
+            return x + (self.dropout(out) if drop else out), w
+        out, w = fn(x)
+        return norm(x + (self.dropout(out) if drop else out)), w
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        attn_mask: AttnMask = None,
+        is_causal: bool = False,
+        positions: Tensor | None = None,
+        key_positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_start: int = 0,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_mask: AttnMask = None,
+        cross_cache: CrossAttentionCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``[B, L, D] -> ([B, L, D], self weights or None, cross weights or None)``.
+
+        Args:
+            x: the new tokens' hidden states.
+            attn_mask: self-attention mask fitting the keys the cache returns.
+            is_causal: use the backend's causal mask instead of ``attn_mask`` (no cache).
+            positions: query position ids for the position components.
+            key_positions: all keys' position ids (for score biases).
+            cache: this layer's self-attention cache.
+            cache_start: slot of the first new token.
+            encoder_hidden_states: ``[B, S_enc, D]`` for cross-attention.
+            encoder_mask: mask over the encoder keys (``[B, 1, 1, S_enc]`` bool or float).
+            cross_cache: this layer's cross-attention cache.
+            need_weights: return the attention weights.
+        """
+
+        def self_attn(h: Tensor) -> tuple[Tensor, Tensor | None]:
+            out: tuple[Tensor, Tensor | None] = self.self_attention(
+                h,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                positions=positions,
+                key_positions=key_positions,
+                cache=cache,
+                cache_start=cache_start,
+                need_weights=need_weights,
+            )
+            return out
+
+        x, self_w = self._sublayer(x, self.self_attn_norm, self_attn)
+        cross_w = None
+        if self.cross_attention is not None:
+            cross = self.cross_attention
+            if encoder_hidden_states is None and not (
+                cross_cache is not None and cross_cache.filled
+            ):
+                raise ValueError("a decoder layer with cross-attention needs encoder_hidden_states")
+
+            def cross_attn(h: Tensor) -> tuple[Tensor, Tensor | None]:
+                out: tuple[Tensor, Tensor | None] = cross(
+                    h,
+                    encoder_hidden_states,
+                    attn_mask=encoder_mask,
+                    cache=cross_cache,
+                    need_weights=need_weights,
+                )
+                return out
+
+            assert self.cross_attn_norm is not None
+            x, cross_w = self._sublayer(x, self.cross_attn_norm, cross_attn)
+
+        def ffn(h: Tensor) -> tuple[Tensor, None]:
+            return self.feed_forward(h), None
+
+        x, _ = self._sublayer(x, self.ffn_norm, ffn)
+        return x, self_w, cross_w

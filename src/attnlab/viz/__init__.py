@@ -1,0 +1,1 @@
+"""Pictures of attention (matplotlib, the ``viz`` extra)."""

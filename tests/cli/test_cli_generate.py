@@ -1,0 +1,76 @@
+"""``attnlab generate``: random tiny models and local transformers folders, streamed output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.cli.main import main
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "bloom", "t5"])
+def test_random_model_streams_tokens(arch: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--random", arch, "--prompt", "hi", "--max-new-tokens", "5"])
+    out = capsys.readouterr().out
+    assert code == 0
+    if arch != "t5":
+        assert out.startswith("hi")
+    assert out.endswith("\n") and len(out.strip()) > 2
+
+
+def test_local_folder_with_ids_matches_the_library(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=48, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    code = main(["generate", "--model", str(tmp_path), "--ids", "3 4 5", "--max-new-tokens", "6"])
+    out = capsys.readouterr().out.split()
+    expected = attnlab.from_hf(tmp_path).generate(torch.tensor([[3, 4, 5]]), 6)[0, 3:]
+    assert code == 0 and [int(t) for t in out] == expected.tolist()
+    code = main(["generate", "--model", str(tmp_path), "--prompt", "hello"])
+    assert code == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_bad_sampling_settings_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--random", "llama", "--ids", "1", "--sample", "--top-p", "2"])
+    assert code == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_local_folder_with_a_tokenizer_streams_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<pad>", "<unk>"] + [f"w{i}" for i in range(48)]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=48, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    code = main(
+        ["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "4"]
+    )
+    out = capsys.readouterr().out.strip()
+    new = attnlab.from_hf(tmp_path).generate(torch.tensor([[3, 4, 5]]), 4)[0, 3:]
+    assert code == 0
+    assert out == "w1 w2 w3 " + " ".join(words[i] for i in new.tolist())

@@ -1,0 +1,47 @@
+"""The README's main job, `attnlab demo`, end to end on the real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli.main import main
+
+
+def test_demo_writes_heatmaps_and_reports_parity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "7 tokens" in text and "'time', 'flies', 'like', 'an', 'arrow'" in text
+    assert "22,713,216 parameters" in text
+    diffs = [
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("max |difference|")
+    ]
+    assert len(diffs) == 3 and max(diffs) <= 1e-5
+    names = sorted(p.name for p in out.glob("*.png"))
+    assert names == sorted(
+        ["simple_attention.png", "last_layer_mean.png", *[f"layer{i}_heads.png" for i in range(6)]]
+    )
+    assert all(p.stat().st_size > 5000 for p in out.glob("*.png"))
+
+
+def test_demo_other_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            ["demo", "--text", "attention is all you need", "--out", str(tmp_path), "--no-compare"]
+        )
+        == 0
+    )
+    assert "'attention', 'is', 'all', 'you', 'need'" in capsys.readouterr().out
+    assert main(["demo", "--text", "word " * 600, "--out", str(tmp_path), "--no-compare"]) == 2
+    assert "at most 512" in capsys.readouterr().err
+
+
+def test_help_lists_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "demo" in capsys.readouterr().out
