@@ -14,6 +14,7 @@ Usage::
     PYTHONPATH=src python benchmarks/attention.py            # the full run (long)
     PYTHONPATH=src python benchmarks/attention.py --quick    # 512..2048, a smoke test
     PYTHONPATH=src python benchmarks/attention.py --calibrate  # constants for auto
+    PYTHONPATH=src python benchmarks/attention.py --device cuda --calibrate  # on a GPU
 
 The full run writes ``build/bench/attention.json``, the plot
 ``docs/attention_backends.png`` and its table into ``docs/benchmarks.md`` under
@@ -23,6 +24,7 @@ The full run writes ``build/bench/attention.json``, the plot
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -67,8 +69,14 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
 
     from attnlab.functional import masks, scaled_dot_product_attention
 
+    if os.environ.get("ATTNLAB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
+    device = torch.device(os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu"))
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM, requires_grad=bwd) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, HEADS, L, HEAD_DIM, device=device, requires_grad=bwd) for _ in range(3)
+    )
     pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
     dense = pattern.to_dense(L, L) if (backend == "torch" and pattern is not None) else None
 
@@ -91,21 +99,32 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
         else:
             with torch.no_grad():
                 call()
+        if cuda:
+            torch.cuda.synchronize()
 
-    if backend == "auto" and not bwd and mask == "window":
+    if backend == "auto" and not bwd:
         # A long-running job has compiled flex for its shape after the first call;
         # without this, auto (rightly) avoids flex's ~15 s first-call compile.
         with torch.no_grad():
-            scaled_dot_product_attention(q, k, v, attn_mask=pattern, backend="flex")
-    base = _reset_peak()
+            scaled_dot_product_attention(
+                q, k, v, attn_mask=pattern, is_causal=mask == "causal", backend="flex"
+            )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _reset_peak()
     t0 = time.perf_counter()
     step()  # warm-up: compiles flex, sets the peak memory
     first = time.perf_counter() - t0
-    peak = _status_bytes("VmHWM") - base
-    if backend == "flex":  # the compile's own memory is in the first call: measure again
-        base = _reset_peak()
-        step()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
         peak = _status_bytes("VmHWM") - base
+        if backend == "flex":  # the compile's own memory is in the first call: measure again
+            base = _reset_peak()
+            step()
+            peak = _status_bytes("VmHWM") - base
     times = [first]
     if first < 30:
         times = []
@@ -264,6 +283,46 @@ def report(results: dict) -> str:
     return "\n".join(head + lines) + "\n"
 
 
+def targets_table(res: dict) -> str:
+    """The issue's targets from a ``--targets`` run, as a markdown table."""
+    c, w16, w32 = res["causal_4096"], res["window_16384"], res["window_32768"]
+    best16 = min(w16[b] for b in ("sparse", "flex"))
+    best16_name = min(("sparse", "flex"), key=lambda b: w16[b])
+    rows = [
+        (
+            "tiled causal 4096 within 1.5x of torch sdpa",
+            f"tiled {c['tiled'] * 1e3:.0f} ms, torch {c['torch'] * 1e3:.0f} ms: "
+            f"{c['tiled'] / c['torch']:.2f}x",
+            c["tiled"] / c["torch"] <= 1.5,
+        ),
+        (
+            "window w=512 at 16384: best of sparse/flex >= 10x faster than torch + dense mask",
+            f"{best16_name} {best16 * 1e3:.0f} ms, torch {w16['torch'] * 1e3:.0f} ms: "
+            f"{w16['torch'] / best16:.1f}x",
+            w16["torch"] / best16 >= 10,
+        ),
+    ]
+    for b in ("sparse", "flex", "tiled"):
+        r = w32[b] / w16[b]
+        label = f"{b}: time(32768) / time(16384) <= 2.2" + (
+            " (not in the target)" if b == "tiled" else ""
+        )
+        rows.append((label, f"{w32[b]:.2f} s / {w16[b]:.2f} s = {r:.2f}", r <= 2.2))
+    for name, cell in (("causal 4096", c), ("window 16384", w16), ("window 32768", w32)):
+        best = min(v for k, v in cell.items() if k != "auto")
+        who = min((k for k in cell if k != "auto"), key=lambda k: cell[k])
+        rows.append(
+            (
+                f"auto within 1.1x of the best, {name}",
+                f"auto {cell['auto'] * 1e3:.0f} ms, best {who} {best * 1e3:.0f} ms: {cell['auto'] / best:.2f}x",
+                cell["auto"] / best <= 1.1,
+            )
+        )
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {'yes' if ok else '**no**'} |" for t, m, ok in rows]
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -314,8 +373,25 @@ def write_section(text: str, md: Path) -> None:
 # ------------------------------------------------------------------- calibrate
 
 
-def calibrate() -> None:
-    """Fit ``overhead + seconds_per_unit * units`` per backend and pass; print the table."""
+def _timed_call(q, k, v, pattern, is_causal: bool, bwd: bool, name: str) -> float:  # type: ignore[no-untyped-def]
+    import torch
+
+    from attnlab.functional import scaled_dot_product_attention
+
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(bwd):
+        out = scaled_dot_product_attention(q, k, v, pattern, is_causal=is_causal, backend=name)
+        if bwd:
+            out.sum().backward()  # type: ignore[union-attr]
+    return time.perf_counter() - t0
+
+
+def calibrate(rounds: int = 2) -> None:
+    """Fit ``overhead + seconds_per_unit * units`` per backend and pass; print the table.
+
+    Measured in this process, every backend of a cell back to back and the best of
+    ``rounds`` kept, so that all backends of a cell see the same machine load.
+    """
     import torch
 
     from attnlab.backends import AttentionCall
@@ -325,61 +401,134 @@ def calibrate() -> None:
     from attnlab.backends.tiled import BLOCK_K, BLOCK_Q
     from attnlab.functional import masks
 
+    if os.environ.get("ATTNLAB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
+    dev = os.environ.get("ATTNLAB_BENCH_DEVICE", "cpu")
     blocks = {
         "tiled": (BLOCK_Q, BLOCK_K),
         "sparse": (BLOCK, BLOCK),
         "flex": (BLOCK_SIZE, BLOCK_SIZE),
     }
+    points: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+    plan = [(False, 2048), (False, 8192), (True, 1024), (True, 2048)]
+    for bwd, L in plan:
+        for mask in ("causal", "window"):
+            pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
+            torch.manual_seed(0)
+            q, k, v = (
+                torch.randn(1, HEADS, L, HEAD_DIM, device=dev, requires_grad=bwd) for _ in range(3)
+            )
+            names = ["sdpa", "tiled", "sparse"] + ([] if bwd else ["flex"])
+            if L <= 2048:
+                names.append("reference")
+
+            run = functools.partial(_timed_call, q, k, v, pattern, mask == "causal", bwd)
+            for name in names:
+                run(name)  # warm-up (compiles flex)
+            best = dict.fromkeys(names, math.inf)
+            for _ in range(rounds):
+                for name in names:
+                    best[name] = min(best[name], run(name))
+            call = AttentionCall.from_inputs(
+                q,
+                k,
+                v,
+                pattern,
+                dropout_p=0.0,
+                is_causal=mask == "causal",
+                enable_gqa=False,
+                return_weights=False,
+            )
+            for name in names:
+                if name in blocks:
+                    pairs = computed_pairs(call, *blocks[name])
+                elif name == "sdpa" and mask == "causal":
+                    pairs = L * L / 2  # the flash path: "sdpa_flash" in the table
+                else:
+                    pairs = L * L
+                points.setdefault((name, bwd), []).append((units(call, pairs), best[name]))
+            line = ", ".join(f"{n} {best[n] * 1e3:.1f}" for n in names)
+            print(
+                f"# {mask} L={L} {'fwd+bwd' if bwd else 'fwd'} (ms): {line}",
+                file=sys.stderr,
+                flush=True,
+            )
     table: dict[str, dict[str, tuple[float, float]]] = {}
-    for backend in ["reference", "sdpa", "tiled", "sparse", "flex"]:
-        table[backend] = {}
-        for bwd in (False, True):
-            if backend == "flex" and bwd:
-                table[backend]["fwd_bwd"] = (1e-3, 3 * table[backend]["fwd"][1])
-                continue
-            pts = []
-            for mask in ("causal", "window"):
-                for L in (1024, 2048):
-                    r = _subprocess_cell(backend, mask, L, bwd, 600)
-                    if "seconds" not in r:
-                        print(f"# {backend} {mask} {L} {bwd}: {r}", file=sys.stderr)
-                        continue
-                    pattern = masks.sliding_window(WINDOW - 1) if mask == "window" else None
-                    x = torch.zeros(1, HEADS, L, HEAD_DIM)
-                    call = AttentionCall.from_inputs(
-                        x,
-                        x,
-                        x,
-                        pattern,
-                        dropout_p=0.0,
-                        is_causal=mask == "causal",
-                        enable_gqa=False,
-                        return_weights=False,
-                    )
-                    if backend in blocks:
-                        pairs = computed_pairs(call, *blocks[backend])
-                    elif backend == "sdpa" and mask == "causal":
-                        pairs = L * L / 2
-                    else:
-                        pairs = L * L
-                    pts.append((units(call, pairs), r["seconds"]))
-                    print(
-                        f"# {backend} {mask} L={L} bwd={bwd}: {r['seconds'] * 1e3:.1f} ms",
-                        file=sys.stderr,
-                    )
-            # least squares through the points, overhead clamped at >= 0
-            n = len(pts)
-            mx = sum(p[0] for p in pts) / n
-            my = sum(p[1] for p in pts) / n
-            sxx = sum((p[0] - mx) ** 2 for p in pts) or 1.0
-            slope = max(sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx, 1e-12)
-            icpt = max(my - slope * mx, 0.0)
-            table[backend]["fwd_bwd" if bwd else "fwd"] = (icpt, slope)
-    print('    "cpu": {')
-    for b, row in table.items():
-        items = ", ".join(f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in row.items())
+    for (name, bwd), pts in points.items():
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        sxx = sum((p[0] - mx) ** 2 for p in pts) or 1.0
+        slope = max(sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx, 1e-12)
+        icpt = max(my - slope * mx, 0.0)
+        if icpt == 0.0:  # refit through the origin
+            slope = sum(p[0] * p[1] for p in pts) / sum(p[0] ** 2 for p in pts)
+        table.setdefault(name, {})["fwd_bwd" if bwd else "fwd"] = (icpt, slope)
+    table["flex"]["fwd_bwd"] = (1e-3, 3 * table["flex"]["fwd"][1])  # no CPU backward: a guess
+    print(f'    "{torch.device(dev).type}": {{')
+    for b in ("reference", "sdpa", "tiled", "sparse", "flex"):
+        row = table[b]
+        items = ", ".join(
+            f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in sorted(row.items(), reverse=True)
+        )
         print(f'        "{b}": {{{items}}},')
     print("    },")
+
+
+def targets(rounds: int) -> dict:
+    """The issue's target cells, measured in one process, alternating backends, best of ``rounds``.
+
+    On a shared machine the fresh-process cells of :func:`full_run` are measured minutes
+    apart under different loads; here each round runs every contender back to back,
+    so the ratios compare like with like.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from attnlab.functional import masks, scaled_dot_product_attention
+
+    def best(fns: dict, n: int) -> dict[str, float]:
+        out = dict.fromkeys(fns, math.inf)
+        for _ in range(n):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                out[name] = min(out[name], time.perf_counter() - t0)
+        return out
+
+    if os.environ.get("ATTNLAB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
+    res: dict = {"threads": torch.get_num_threads()}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        q, k, v = (torch.randn(1, HEADS, 4096, HEAD_DIM) for _ in range(3))
+        fns = {
+            "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            **{
+                b: (lambda b=b: scaled_dot_product_attention(q, k, v, is_causal=True, backend=b))
+                for b in ("tiled", "flex", "auto")
+            },
+        }
+        for fn in fns.values():
+            fn()  # warm-up, compiles flex
+        res["causal_4096"] = best(fns, rounds)
+        print("causal 4096:", res["causal_4096"], flush=True)
+        window = masks.sliding_window(WINDOW - 1)
+        for L in (16384, 32768):
+            q, k, v = (torch.randn(1, HEADS, L, HEAD_DIM) for _ in range(3))
+            fns = {
+                b: functools.partial(scaled_dot_product_attention, q, k, v, window, backend=b)
+                for b in ("tiled", "sparse", "flex", "auto")
+            }
+            if L == 16384:
+                dense = window.to_dense(L, L)
+                fns["torch"] = functools.partial(F.scaled_dot_product_attention, q, k, v, dense)
+            for fn in fns.values():
+                fn()
+            res[f"window_{L}"] = best(fns, rounds if L == 16384 else max(1, rounds - 1))
+            print(f"window {L}:", res[f"window_{L}"], flush=True)
+            del fns
+    return res
 
 
 def main() -> None:
@@ -387,7 +536,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="lengths 512..2048 only")
     ap.add_argument("--calibrate", action="store_true", help="print cost-model constants")
     ap.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
+    ap.add_argument(
+        "--targets",
+        type=int,
+        metavar="ROUNDS",
+        help="the issue's target cells, alternating, in-process",
+    )
     ap.add_argument("--backends", nargs="*", default=BACKENDS)
+    ap.add_argument("--device", default=None, help="cpu (default) or cuda; cells inherit it")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads in every cell (default: torch's)"
+    )
+    ap.add_argument("--out", type=Path, default=None, help="results file (default build/bench/)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/")
     ap.add_argument("--from-json", type=Path, help="only rebuild the report from a saved run")
@@ -395,6 +555,10 @@ def main() -> None:
         "--cell", nargs=4, metavar=("BACKEND", "MASK", "L", "BWD"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
+    if args.device:
+        os.environ["ATTNLAB_BENCH_DEVICE"] = args.device
+    if args.threads:
+        os.environ["ATTNLAB_BENCH_THREADS"] = str(args.threads)
     if args.cell:
         b, m, L, bwd = args.cell
         print(json.dumps(run_cell(b, m, int(L), bwd == "1", reps=3)))
@@ -402,13 +566,20 @@ def main() -> None:
     if args.calibrate:
         calibrate()
         return
+    if args.targets:
+        out = ROOT / "build" / "bench"
+        out.mkdir(parents=True, exist_ok=True)
+        res = targets(args.targets)
+        (args.out or out / "targets.json").write_text(json.dumps(res, indent=1))
+        return
     out = ROOT / "build" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         results = json.loads(args.from_json.read_text())
     else:
         lengths = args.lengths or ([512, 1024, 2048] if args.quick else LENGTHS)
-        results = full_run(lengths, args.backends, out / "attention.json", args.timeout)
+        results = full_run(lengths, args.backends, args.out or out / "attention.json", args.timeout)
+        results["threads"] = args.threads
     text = report(results)
     print(text)
     if not args.no_docs and not args.quick:

@@ -18,6 +18,7 @@ from attnlab.backends.sparse import sparse_attention
 from attnlab.backends.tiled import tiled_attention
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional.score_mods import alibi, softcap
 
 
 def budget(n: int) -> settings:
@@ -129,6 +130,10 @@ def cases(draw: st.DrawFn, dense: bool = False) -> dict:
             mask = mask.masked_fill(torch.rand(L, S, generator=g) > 0.7, float("-inf"))
     else:
         mask = draw(st.one_of(st.none(), patterns(max(L, S), batch)))
+        mods = draw(st.sampled_from([(), ("alibi",), ("softcap",), ("alibi", "softcap")]))
+        if mods:
+            chosen = [alibi(heads) if m == "alibi" else softcap(1.5) for m in mods]
+            mask = (mask or M.full()).with_scores(*chosen)
     return {
         "shape": (batch, heads, h_kv, L, S, E, Ev),
         "dtype": dtype,
@@ -137,6 +142,8 @@ def cases(draw: st.DrawFn, dense: bool = False) -> dict:
         "scale": draw(st.sampled_from([None, 0.3])),
         "block_q": draw(st.sampled_from([1, 3, 4, 8, 32])),
         "block_k": draw(st.sampled_from([1, 2, 5, 8, 32])),
+        # 1: every key block in its own online-softmax step; 4096: merged spans
+        "max_span": draw(st.sampled_from([1, 1, 10, 4096])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -155,8 +162,16 @@ def _reference(case: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     mask = case["mask"]
     L, S = q.shape[-2], k.shape[-2]
     dense = mask.to_dense(L, S) if isinstance(mask, M.MaskPattern) else mask
+    mods = mask.score_mods if isinstance(mask, M.MaskPattern) else ()
     out, _ = sdpa_reference(
-        q, k, v, dense, is_causal=case["is_causal"], scale=case["scale"], enable_gqa=True
+        q,
+        k,
+        v,
+        dense,
+        is_causal=case["is_causal"],
+        scale=case["scale"],
+        enable_gqa=True,
+        score_mods=mods,
     )
     return out
 
@@ -191,6 +206,7 @@ def test_tiled_equals_reference_on_patterns(case: dict) -> None:
             True,
             block_q=case["block_q"],
             block_k=case["block_k"],
+            max_span=case["max_span"],
         )[0],
     )
 
@@ -211,6 +227,7 @@ def test_tiled_equals_reference_on_dense_masks(case: dict) -> None:
             True,
             block_q=case["block_q"],
             block_k=case["block_k"],
+            max_span=case["max_span"],
         )[0],
     )
 
@@ -255,8 +272,11 @@ def test_bfloat16_within_looser_tolerance(case: dict, backend: str) -> None:
 
 
 @budget(60)
-@given(case=cases(), backend=st.sampled_from(["tiled", "sparse"]))
+@given(case=cases(), backend=st.sampled_from(["tiled", "sparse", "sdpa"]))
 def test_weights_recomputed_from_lse(case: dict, backend: str) -> None:
+    mask = case["mask"]
+    if backend == "sdpa" and isinstance(mask, M.MaskPattern) and mask.score_mods:
+        backend = "tiled"  # torch's kernel cannot apply score modifiers
     q, k, v = (t.detach() for t in _inputs(case))
     out, w = scaled_dot_product_attention(
         q,
@@ -276,6 +296,7 @@ def test_weights_recomputed_from_lse(case: dict, backend: str) -> None:
         k,
         v,
         dense,
+        score_mods=mask.score_mods if isinstance(mask, M.MaskPattern) else (),
         is_causal=case["is_causal"],
         scale=case["scale"],
         enable_gqa=True,

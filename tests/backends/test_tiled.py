@@ -28,9 +28,10 @@ def test_gradcheck_float64(pattern: M.MaskPattern | None, is_causal: bool) -> No
     v = torch.randn(1, 1, 9, 3, dtype=torch.float64, generator=g, requires_grad=True)
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return tiled_attention(q, k, v, pattern, 0.0, is_causal, None, True, block_q=2, block_k=4)[
-            0
-        ]
+        out, _ = tiled_attention(
+            q, k, v, pattern, 0.0, is_causal, None, True, block_q=2, block_k=2, max_span=2
+        )
+        return out
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -45,27 +46,31 @@ def test_gradcheck_with_float_mask_and_masked_rows() -> None:
     bias[2] = float("-inf")  # a fully masked row
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return tiled_attention(q, k, v, bias, block_q=4, block_k=4)[0]
+        return tiled_attention(q, k, v, bias, block_q=4, block_k=2, max_span=2)[0]
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def test_skips_tiles_the_pattern_leaves_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window of 4 over 64 positions in 8 x 8 tiles visits at most 2 key tiles per row."""
-    visited: list[int] = []
+@pytest.mark.parametrize("max_span", [8, 4096])
+def test_skips_tiles_the_pattern_leaves_empty(
+    monkeypatch: pytest.MonkeyPatch, max_span: int
+) -> None:
+    """A window of 4 over 64 positions in 8 x 8 tiles: 2 key tiles per query block at most."""
+    visited: list[tuple[int, int]] = []
     real = blocks.masked_scores
 
     def counting(scores, spec, q0, q1, k0, k1, full):  # type: ignore[no-untyped-def]
-        visited.append(k0)
+        visited.append((k0, k1))
         return real(scores, spec, q0, q1, k0, k1, full)
 
     monkeypatch.setattr("attnlab.backends.tiled.masked_scores", counting)
+    monkeypatch.setattr("attnlab.backends.tiled.MAX_SPAN", max_span)
     q = torch.randn(1, 1, 64, 4)
     spec = blocks.mask_spec(M.sliding_window(3), False, tuple(q.shape), 64)
     tiled_forward(q, q, q, spec, 0.5, block_q=8, block_k=8)
-    assert (
-        len(visited) == 8 + 7
-    )  # the diagonal tile of each row, and the one before it (not the first)
+    # the first query block meets its own key tile, every other one two tiles
+    assert sum(k1 - k0 for k0, k1 in visited) == 8 + 7 * 16
+    assert len(visited) == (8 + 7 if max_span == 8 else 8)  # merged into one span per block
 
 
 def test_full_tiles_skip_the_element_mask() -> None:
@@ -78,7 +83,7 @@ def test_lse_matches_logsumexp() -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 3, 10, 4, dtype=torch.float64, generator=g) for _ in range(3))
     spec = blocks.mask_spec(None, True, tuple(q.shape), 10)
-    _, lse = tiled_forward(q, k, v, spec, 0.5, block_q=3, block_k=4)
+    _, lse = tiled_forward(q, k, v, spec, 0.5, block_q=3, block_k=4, max_span=4)
     scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(
         ~M.causal().to_dense(10, 10), float("-inf")
     )

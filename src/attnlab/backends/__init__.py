@@ -23,11 +23,13 @@ from attnlab.backends.registry import (
     register,
     use,
 )
+from attnlab.backends.weights import attention_weights
 
 __all__ = [
     "AttentionCall",
     "Backend",
     "Explanation",
+    "attention_weights",
     "available",
     "current",
     "dispatch",

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional.masks import MaskPattern, causal
+from attnlab.functional.score_mods import ScoreMod, apply_score_mods
 
 __all__ = ["MaskSpec", "compute_dtype", "flatten_batch", "mask_spec", "weights_from_lse"]
 
@@ -74,6 +75,7 @@ class MaskSpec:
         n: flattened batch size ``N``.
         q_len: ``L``.
         kv_len: ``S``.
+        score_mods: modifiers applied to the scaled scores before the mask.
     """
 
     pattern: MaskPattern | None
@@ -81,11 +83,30 @@ class MaskSpec:
     n: int
     q_len: int
     kv_len: int
+    score_mods: tuple[ScoreMod, ...] = ()
 
     @property
     def empty(self) -> bool:
-        """True when nothing is masked."""
-        return self.pattern is None and self.dense is None
+        """True when nothing is masked or modified."""
+        return self.pattern is None and self.dense is None and not self.score_mods
+
+    def modify(
+        self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, *, derivative: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Apply the score modifiers to a tile ``[N, H, q1-q0, k1-k0]`` of scaled scores.
+
+        Returns the modified scores and, if ``derivative``, ``d modified / d scores``
+        (None when it is 1).
+        """
+        if not self.score_mods:
+            return scores, None
+        dev = scores.device
+        b = torch.arange(scores.shape[0], device=dev).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
+        h = torch.arange(scores.shape[1], device=dev).view(-1, 1, 1)  # [H, 1, 1]
+        qi = torch.arange(q0, q1, device=dev).view(-1, 1)  # [lq, 1]
+        ki = torch.arange(k0, k1, device=dev).view(1, -1)  # [1, lk]
+        out, deriv = apply_score_mods(self.score_mods, scores, b, h, qi, ki)
+        return out, (deriv if derivative else None)
 
     def tiles(self, block_q: int, block_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(needed, full)`` bool ``[nq, nk]`` on the CPU.
@@ -169,7 +190,12 @@ def mask_spec(
     n = 1 if len(query_shape) == 3 else math.prod(query_shape[:-3])
     pattern: MaskPattern | None = None
     dense: Tensor | None = None
+    mods: tuple[ScoreMod, ...] = ()
     if isinstance(attn_mask, MaskPattern):
+        mods = attn_mask.score_mods
+        for m in mods:
+            m.check_heads(query_shape[-3])
+        attn_mask = attn_mask._unscored()
         if attn_mask.batch_dependent:
             batch = query_shape[:-3]
             if len(batch) != 1 or batch[0] != attn_mask.batch_size:
@@ -182,7 +208,14 @@ def mask_spec(
         dense = _flatten_mask(attn_mask, target)
     if is_causal:
         pattern = causal() if pattern is None else pattern & causal()
-    return MaskSpec(pattern=pattern, dense=dense, n=n, q_len=query_shape[-2], kv_len=kv_len)
+    return MaskSpec(
+        pattern=pattern,
+        dense=dense,
+        n=n,
+        q_len=query_shape[-2],
+        kv_len=kv_len,
+        score_mods=mods,
+    )
 
 
 def masked_scores(
@@ -233,6 +266,12 @@ def weights_from_lse(
     r_idx = torch.arange(q.shape[2], device=dev) if rows is None else rows.to(dev)
     qs = q[:, h_idx][:, :, r_idx] * scale  # [N, h, r, E]
     scores = qs @ k[:, h_idx].transpose(-1, -2)  # [N, h, r, S]
+    if spec.score_mods:
+        n_idx = torch.arange(q.shape[0], device=dev).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
+        s_idx = torch.arange(k.shape[2], device=dev).view(1, -1)  # [1, S]
+        scores, _ = apply_score_mods(
+            spec.score_mods, scores, n_idx, h_idx.view(-1, 1, 1), r_idx.view(-1, 1), s_idx
+        )
     if spec.dense is not None:
         d = spec.dense
         d = d[:, h_idx] if d.shape[1] > 1 else d

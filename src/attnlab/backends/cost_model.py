@@ -6,7 +6,8 @@ is one pair of one head at head dim 64). What differs is *which* pairs a backend
 computes and how fast it goes through them:
 
 * ``reference`` and ``sdpa`` with a mask compute all ``L * S`` pairs (``sdpa``'s
-  causal flash kernel skips the upper triangle when ``is_causal`` is the only mask);
+  flash kernel skips the upper triangle when ``is_causal`` is the only mask, and
+  has its own constants);
 * ``tiled`` and ``flex`` compute the tiles the pattern touches (``256 x 256`` and
   ``128 x 128``);
 * ``sparse`` computes the ``64``-wide key blocks each query block gathers.
@@ -35,7 +36,7 @@ from attnlab.functional.masks import MaskPattern, causal
 if TYPE_CHECKING:
     from attnlab.backends.registry import AttentionCall
 
-__all__ = ["Estimate", "computed_pairs", "estimate", "units"]
+__all__ = ["Estimate", "computed_pairs", "estimate", "format_seconds", "lse_pass", "units"]
 
 _MAX_CACHED = 128
 _pairs_cache: OrderedDict[tuple[object, ...], tuple[MaskPattern | None, float]] = OrderedDict()
@@ -54,6 +55,13 @@ class Estimate:
     note: str = ""
 
 
+def format_seconds(seconds: float) -> str:
+    """``0.0123 -> "12.3 ms"``, ``5.2 -> "5.2 s"``."""
+    if seconds >= 1.0:
+        return f"{seconds:.3g} s"
+    return f"{seconds * 1e3:.3g} ms"
+
+
 def units(call: AttentionCall, pairs: float) -> float:
     """Work units of ``pairs`` (query, key) pairs per head: ``N * H * pairs * (E + Ev) / 128``."""
     q, v = call.query_shape, call.value_shape
@@ -64,7 +72,7 @@ def units(call: AttentionCall, pairs: float) -> float:
 def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
     """Pairs per head a block-sparse backend with ``block_q x block_k`` tiles computes."""
     L, S = call.query_shape[-2], call.key_shape[-2]
-    pattern = call.pattern
+    pattern = call.pattern._unscored() if call.pattern is not None else None
     if call.is_causal:
         pattern = causal() if pattern is None else pattern & causal()
     if pattern is None or L == 0 or S == 0:
@@ -85,6 +93,15 @@ def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
     return pairs
 
 
+def lse_pass(call: AttentionCall) -> float:
+    """Seconds of the ``tiled`` pass that gives a log-sum-exp to a kernel that keeps none."""
+    if not call.return_weights:
+        return 0.0
+    table = cost_constants.CONSTANTS.get(call.device.type) or cost_constants.CONSTANTS["cpu"]
+    overhead, per_unit = table["tiled"]["fwd"]
+    return overhead + units(call, computed_pairs(call, 256, 256)) * per_unit
+
+
 def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None:
     """``overhead + units * seconds_per_unit`` from the measured constants, or None if unmeasured."""
     table = cost_constants.CONSTANTS.get(call.device.type) or cost_constants.CONSTANTS["cpu"]
@@ -97,7 +114,8 @@ def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None
         seconds += (
             units(call, call.query_shape[-2] * call.key_shape[-2]) * table["weights"]["fwd"][1]
         )
-    note = f"~{seconds * 1e3:.3g} ms for {pairs / max(1, call.query_shape[-2] * call.key_shape[-2]):.0%} of the pairs"
+    share = pairs / max(1, call.query_shape[-2] * call.key_shape[-2])
+    note = f"~{format_seconds(seconds)} for {share:.0%} of the pairs"
     if call.device.type not in cost_constants.CONSTANTS:
         note += f" (constants measured on cpu, not {call.device.type})"
     return Estimate(seconds, note)

@@ -155,6 +155,8 @@ def linear_attention(
 
 
 def _check(call: AttentionCall) -> str | None:
+    if call.pattern is not None and call.pattern.score_mods:
+        return "has no softmax scores to modify"
     if call.dropout_p > 0 or call.return_weights:
         return "has no attention weights (to drop out or return)"
     if call.mask == "float":

@@ -2,9 +2,46 @@
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from attnlab.backends.cost_model import Estimate, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import sdpa_reference
+from attnlab.functional.attention import resolve_mask, sdpa_reference
+from attnlab.functional.masks import MaskPattern
+
+
+def reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | MaskPattern | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attnlab.functional.sdpa_reference`, taking a pattern and its score modifiers too."""
+    mods: tuple = ()
+    if isinstance(attn_mask, MaskPattern):
+        mods = attn_mask.score_mods
+        for m in mods:
+            m.check_heads(query.shape[-3])
+        target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
+        attn_mask = resolve_mask(attn_mask, target, device=query.device)
+    return sdpa_reference(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        return_weights=return_weights,
+        score_mods=mods,
+    )
 
 
 def _check(call: AttentionCall) -> str | None:
@@ -18,8 +55,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 REFERENCE = register(
     Backend(
         name="reference",
-        fn=sdpa_reference,
+        fn=reference_attention,
         check=_check,
+        accepts_patterns=True,
         priority=1000,
         description="the full score matrix in float32/float64; runs every call and returns weights",
         cost=_cost,

@@ -41,6 +41,7 @@ from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern, full
+from attnlab.functional.score_mods import apply_score_mods
 
 __all__ = ["BLOCK", "SCORE_BUDGET", "sparse_attention"]
 
@@ -99,6 +100,10 @@ def _sparse_core(
         s = torch.matmul(qt[:, :, g0:g1], kg.transpose(-1, -2))  # [N, H, g, b, K*b]
         q_pos = (torch.arange(g0, g1, device=dev).view(-1, 1) * block + in_block).unsqueeze(-1)
         k_pos = (idx.unsqueeze(-1) * block + in_block).reshape(g1 - g0, 1, -1)  # [g, 1, K*b]
+        if spec.score_mods:
+            n_idx = torch.arange(N, device=dev).view(-1, 1, 1, 1, 1)  # [N, 1, 1, 1, 1]
+            h_idx = torch.arange(H, device=dev).view(-1, 1, 1, 1)  # [H, 1, 1, 1]
+            s, _ = apply_score_mods(spec.score_mods, s, n_idx, h_idx, q_pos, k_pos)
         allowed = pattern_allowed(spec.pattern, q_pos, k_pos, N) & (k_pos < S)  # [.., g, b, K*b]
         grad = torch.is_grad_enabled() and s.requires_grad
         s = (

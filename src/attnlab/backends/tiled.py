@@ -47,19 +47,41 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "tiled_attention", "tiled_forward"]
 #: Query rows per block. Large blocks amortise Python's per-tile overhead on CPU;
 #: one tile's scores take ``N * H * BLOCK_Q * BLOCK_K`` floats.
 BLOCK_Q = 256
-#: Keys per block.
+#: Keys per block (the unit of skipping).
 BLOCK_K = 256
+#: Most keys met in one product: consecutive needed key blocks are merged up to this.
+MAX_SPAN = 4096
 
 
 def _tile_lists(
-    spec: MaskSpec, block_q: int, block_k: int, device: torch.device
-) -> list[list[tuple[int, bool]]]:
-    """For each query block, the key blocks to visit and whether each is fully attended."""
+    spec: MaskSpec, block_q: int, block_k: int, device: torch.device, max_span: int | None = None
+) -> list[list[tuple[int, int, bool]]]:
+    """For each query block, the key spans ``(k0, k1, full)`` to visit.
+
+    Consecutive needed key blocks are merged into spans of up to ``MAX_SPAN`` keys
+    (a span is ``full``, needing no element mask, only if all its blocks are): one
+    larger product instead of several small ones, which matters on a CPU, where each
+    kernel call has a fixed cost (a large one when other processes compete for the
+    cores: every multi-threaded call waits for its slowest thread).
+    """
     needed, full = spec.tiles(block_q, block_k, device)
-    out: list[list[tuple[int, bool]]] = []
+    S = spec.kv_len
+    per_span = max(1, (MAX_SPAN if max_span is None else max_span) // block_k)
+    out: list[list[tuple[int, int, bool]]] = []
     for i in range(needed.shape[0]):
         cols = needed[i].nonzero().flatten().tolist()
-        out.append([(j, bool(full[i, j])) for j in cols])
+        is_full = full[i].tolist()
+        spans: list[tuple[int, int, bool]] = []
+        start = 0
+        while start < len(cols):
+            end = start + 1
+            while end < len(cols) and end - start < per_span and cols[end] == cols[end - 1] + 1:
+                end += 1
+            run = cols[start:end]
+            k0, k1 = run[0] * block_k, min(S, (run[-1] + 1) * block_k)
+            spans.append((k0, k1, all(is_full[j] for j in run)))
+            start = end
+        out.append(spans)
     return out
 
 
@@ -71,6 +93,7 @@ def tiled_forward(
     scale: float,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    max_span: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Forward pass with an online softmax.
 
@@ -82,16 +105,18 @@ def tiled_forward(
         scale: score scale.
         block_q: query rows per block.
         block_k: keys per block.
+        max_span: most keys per product (default :data:`MAX_SPAN`); ``block_k``
+            visits every key block separately.
 
     Returns:
         ``(out [N, H, L, Ev], lse [N, H, L])``; a fully masked row has ``out = 0`` and
         ``lse = -inf``.
     """
     N, H, L, _ = q.shape
-    S, Ev = k.shape[2], v.shape[-1]
+    Ev = v.shape[-1]
     out = q.new_zeros(N, H, L, Ev)
     lse = q.new_full((N, H, L), float("-inf"))
-    tiles = _tile_lists(spec, block_q, block_k, q.device)
+    tiles = _tile_lists(spec, block_q, block_k, q.device, max_span)
     for i, row in enumerate(tiles):
         if not row:
             continue
@@ -100,9 +125,9 @@ def tiled_forward(
         m = q.new_full((N, H, q1 - q0, 1), float("-inf"))
         l = q.new_zeros(N, H, q1 - q0, 1)
         acc = q.new_zeros(N, H, q1 - q0, Ev)
-        for j, full in row:
-            k0, k1 = j * block_k, min(S, (j + 1) * block_k)
+        for k0, k1, full in row:
             s = torch.matmul(qi, k[:, :, k0:k1].transpose(-1, -2))  # [N, H, lq, lk]
+            s, _ = spec.modify(s, q0, q1, k0, k1)
             s = masked_scores(s, spec, q0, q1, k0, k1, full)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)
@@ -130,15 +155,16 @@ def _tiled_backward(
     scale: float,
     block_q: int,
     block_k: int,
+    max_span: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward pass: recompute each tile's probabilities from ``lse`` (FlashAttention-2, alg. 2)."""
-    L, S = q.shape[2], k.shape[2]
+    L = q.shape[2]
     delta = (dout * out).sum(dim=-1, keepdim=True)  # [N, H, L, 1]
     lse_safe = lse.masked_fill(torch.isneginf(lse), float("inf")).unsqueeze(-1)  # [N, H, L, 1]
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    tiles = _tile_lists(spec, block_q, block_k, q.device)
+    tiles = _tile_lists(spec, block_q, block_k, q.device, max_span)
     for i, row in enumerate(tiles):
         if not row:
             continue
@@ -146,15 +172,17 @@ def _tiled_backward(
         qi = q[:, :, q0:q1] * scale  # [N, H, lq, E]
         doi = dout[:, :, q0:q1]  # [N, H, lq, Ev]
         dqi = torch.zeros_like(qi)
-        for j, full in row:
-            k0, k1 = j * block_k, min(S, (j + 1) * block_k)
+        for k0, k1, full in row:
             kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
             s = torch.matmul(qi, kj.transpose(-1, -2))  # [N, H, lq, lk]
+            s, deriv = spec.modify(s, q0, q1, k0, k1, derivative=True)
             s = masked_scores(s, spec, q0, q1, k0, k1, full)
             p = s.sub_(lse_safe[:, :, q0:q1]).exp_()  # normalised probabilities
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), doi)
             dp = torch.matmul(doi, vj.transpose(-1, -2))  # [N, H, lq, lk]
             ds = p.mul_(dp.sub_(delta[:, :, q0:q1]))  # dS = P * (dP - rowsum(dO * O))
+            if deriv is not None:  # through the score modifiers (chain rule)
+                ds = ds.mul_(deriv)
             dqi += torch.matmul(ds, kj)
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qi)
         dq[:, :, q0:q1] = dqi * scale
@@ -174,13 +202,15 @@ class _TiledAttention(torch.autograd.Function):
         scale: float,
         block_q: int,
         block_k: int,
+        max_span: int | None,
     ) -> tuple[Tensor, Tensor]:
         dtype = q.dtype
         cdt = compute_dtype(dtype)
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
-        out, lse = tiled_forward(qc, kc, vc, spec, scale, block_q, block_k)
+        out, lse = tiled_forward(qc, kc, vc, spec, scale, block_q, block_k, max_span)
         ctx.save_for_backward(qc, kc, vc, out, lse)
-        ctx.spec, ctx.scale, ctx.blocks, ctx.dtype = spec, scale, (block_q, block_k), dtype
+        ctx.spec, ctx.scale, ctx.dtype = spec, scale, dtype
+        ctx.blocks = (block_q, block_k, max_span)
         ctx.mark_non_differentiable(lse)
         return out.to(dtype), lse
 
@@ -191,7 +221,7 @@ class _TiledAttention(torch.autograd.Function):
             qc, kc, vc, out, lse, dout.to(qc.dtype), ctx.spec, ctx.scale, *ctx.blocks
         )
         d = ctx.dtype
-        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None
+        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None, None
 
 
 def tiled_attention(
@@ -207,6 +237,7 @@ def tiled_attention(
     return_weights: bool = False,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    max_span: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Exact attention by tiles with an online softmax (FlashAttention-2 in PyTorch).
 
@@ -229,7 +260,7 @@ def tiled_attention(
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = _TiledAttention.apply(q, k, v, spec, scale, block_q, block_k)
+    out, lse = _TiledAttention.apply(q, k, v, spec, scale, block_q, block_k, max_span)
     out = out.reshape(*query.shape[:-1], value.shape[-1])  # [B.., H, L, Ev]
     weights = None
     if return_weights:

@@ -13,7 +13,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: list[str] = ["demo", "generate", "estimate", "advise", "diagnose", "visualize"]
+SUBCOMMANDS: list[str] = [
+    "demo",
+    "generate",
+    "estimate",
+    "advise",
+    "diagnose",
+    "visualize",
+    "backends",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ and is float64-capable. Every fast backend is tested against it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from attnlab.functional._checks import check_attention_inputs, check_dense_mask
 from attnlab.functional.masks import MaskPattern
+from attnlab.functional.score_mods import ScoreMod
 
 __all__ = ["safe_softmax", "scaled_dot_product_attention", "sdpa_reference"]
 
@@ -79,6 +81,7 @@ def sdpa_reference(
     *,
     return_weights: bool = False,
     q_offset: int = 0,
+    score_mods: Sequence[ScoreMod] = (),
 ) -> tuple[Tensor, Tensor | None]:
     """The reference attention math: ``softmax(Q K^T * scale + mask) V``.
 
@@ -97,6 +100,8 @@ def sdpa_reference(
         enable_gqa: repeat key/value heads to the query heads.
         return_weights: also return the softmax weights (before dropout).
         q_offset: position of the first query for ``is_causal`` (0 = torch's top-left).
+        score_mods: score modifiers (ALiBi, soft-capping) applied to the scaled scores
+            before the mask, in order (see :mod:`attnlab.functional.score_mods`).
 
     Returns:
         ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)`` in the input dtype.
@@ -110,6 +115,19 @@ def sdpa_reference(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B.., H, L, S]
     L, S = scores.shape[-2], scores.shape[-1]
+    if score_mods:
+        dev = scores.device
+        b = (
+            torch.arange(scores.shape[0], device=dev).view(-1, 1, 1, 1)
+            if scores.dim() == 4
+            else None
+        )
+        h = torch.arange(scores.shape[-3], device=dev).view(-1, 1, 1)  # [H, 1, 1]
+        qi = torch.arange(L, device=dev).view(-1, 1) + q_offset  # [L, 1]
+        ki = torch.arange(S, device=dev).view(1, -1)  # [1, S]
+        b = torch.zeros((), dtype=torch.long, device=dev) if b is None else b
+        for mod in score_mods:
+            scores = mod(scores, b, h, qi, ki)
     allowed: Tensor | None = None
     if is_causal:
         qpos = torch.arange(L, device=q.device).view(-1, 1) + q_offset

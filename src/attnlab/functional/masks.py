@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional._checks import check_tensor
+from attnlab.functional.score_mods import ScoreMod
 
 __all__ = [
     "MaskPattern",
@@ -261,6 +262,23 @@ class MaskPattern:
 
     #: True when the pattern differs between sequences of a batch (padding, documents).
     batch_dependent: bool = False
+    #: Score modifiers applied before the mask (see :meth:`with_scores`).
+    score_mods: tuple[ScoreMod, ...] = ()
+
+    def with_scores(self, *mods: ScoreMod) -> MaskPattern:
+        """This pattern with score modifiers (ALiBi, soft-capping) applied before the mask.
+
+        ``masks.causal().with_scores(alibi(12), softcap(50.0))``. Backends that cannot
+        apply them say so in their check; ``reference``, ``tiled``, ``sparse`` and
+        ``flex`` apply them on the fly.
+
+        Raises:
+            TypeError: something that is not a :class:`~attnlab.functional.score_mods.ScoreMod`.
+        """
+        for m in mods:
+            if not isinstance(m, ScoreMod):
+                raise TypeError(f"with_scores takes ScoreMod objects, got {type(m).__name__}")
+        return _Scored(self, (*self.score_mods, *mods))
 
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         """Return a bool tensor (broadcast of the inputs), True where ``q_idx`` attends ``kv_idx``."""
@@ -334,6 +352,9 @@ class MaskPattern:
     def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
         """Attended keys per query row in closed form, or None where there is none."""
         return None
+
+    def _unscored(self) -> MaskPattern:
+        return self
 
     def _dense_rows(self, q_pos: Tensor, kv_len: int) -> Tensor:
         """The pattern for the query positions ``q_pos`` ``[R]``: ``[R, S]`` or ``[B, 1, R, S]``."""
@@ -425,6 +446,15 @@ class MaskPattern:
         return _Not(self)
 
 
+def _no_scores(parts: tuple[MaskPattern, ...]) -> None:
+    for p in parts:
+        if p.score_mods:
+            raise ValueError(
+                f"combine patterns before adding score modifiers: {p!r} carries "
+                f"{list(p.score_mods)}; write (a & b).with_scores(...)"
+            )
+
+
 def _as_pattern(x: object) -> MaskPattern:
     if not isinstance(x, MaskPattern):
         raise TypeError(
@@ -434,8 +464,40 @@ def _as_pattern(x: object) -> MaskPattern:
     return x
 
 
+class _Scored(MaskPattern):
+    """A pattern carrying score modifiers; the mask itself is the inner pattern's."""
+
+    def __init__(self, inner: MaskPattern, mods: tuple[ScoreMod, ...]) -> None:
+        self.inner = inner._unscored()
+        self.score_mods = mods
+        self.batch_dependent = inner.batch_dependent
+
+    def _unscored(self) -> MaskPattern:
+        return self.inner
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.inner.batch_size
+
+    def _device(self) -> torch.device | None:
+        return self.inner._device()
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.inner.mask_mod(b, h, q_idx, kv_idx)
+
+    def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
+        return self.inner._row_counts(q_len, kv_len, q_offset)
+
+    def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
+        return self.inner._block_mask(r)
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}.with_scores({', '.join(map(repr, self.score_mods))})"
+
+
 class _Combined(MaskPattern):
     def __init__(self, op: str, parts: tuple[MaskPattern, ...]) -> None:
+        _no_scores(parts)
         sizes = {p.batch_size or 0 for p in parts if p.batch_dependent}
         if len(sizes) > 1:
             raise ValueError(
@@ -480,6 +542,7 @@ class _Combined(MaskPattern):
 
 class _Not(MaskPattern):
     def __init__(self, inner: MaskPattern) -> None:
+        _no_scores((inner,))
         self.inner = inner
         self.batch_dependent = inner.batch_dependent
 

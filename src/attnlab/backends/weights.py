@@ -1,0 +1,81 @@
+"""Attention maps for chosen heads and rows, without the full ``L x S`` matrix.
+
+A picture of attention usually needs a few heads and a few query rows. This runs
+the ``tiled`` forward (``O(L)`` extra memory), keeps its row log-sum-exp, and
+recomputes only the requested weights from it (Dao, 2023, "FlashAttention-2":
+the log-sum-exp is what the backward keeps for the same purpose).
+
+Shape notation: ``B`` batch dims, ``H`` query heads, ``L`` query length, ``S`` key length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from attnlab.backends.blocks import compute_dtype, flatten_batch, mask_spec, weights_from_lse
+from attnlab.backends.tiled import tiled_forward
+from attnlab.functional._checks import check_attention_inputs
+from attnlab.functional.attention import repeat_kv
+from attnlab.functional.masks import MaskPattern
+
+__all__ = ["attention_weights"]
+
+
+def _index(name: str, idx: Sequence[int] | Tensor | None, n: int) -> Tensor | None:
+    if idx is None:
+        return None
+    t = torch.as_tensor(idx, dtype=torch.long).flatten()
+    if t.numel() and (int(t.min()) < -n or int(t.max()) >= n):
+        raise ValueError(f"{name} must lie in [0, {n}), got {t.tolist()}")
+    return t.remainder(n)
+
+
+def attention_weights(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | MaskPattern | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    heads: Sequence[int] | Tensor | None = None,
+    rows: Sequence[int] | Tensor | None = None,
+) -> Tensor:
+    """Softmax attention weights for the requested heads and query rows.
+
+    Args:
+        query: ``[B.., H, L, E]``.
+        key: ``[B.., H_kv, S, E]``.
+        attn_mask: dense mask or pattern, as for
+            :func:`attnlab.functional.scaled_dot_product_attention`.
+        is_causal: causal mask (top-left).
+        scale: score scale (default ``1/sqrt(E)``).
+        enable_gqa: allow ``H_kv < H``.
+        heads: query heads to return (default all).
+        rows: query rows to return (default all).
+
+    Returns:
+        ``[B.., len(heads), len(rows), S]``; equal to the corresponding slice of the
+        reference's weights, with zeros for fully masked rows.
+
+    Raises:
+        ValueError: out-of-range heads or rows, or inputs that do not fit.
+    """
+    check_attention_inputs(query, key, key, enable_gqa=enable_gqa, dropout_p=0.0, scale=scale)
+    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    cdt = compute_dtype(query.dtype)
+    with torch.no_grad():
+        q, k = flatten_batch(query).to(cdt), flatten_batch(key).to(cdt)  # [N, H, *, E]
+        if q.shape[1] != k.shape[1]:
+            k = repeat_kv(k, q.shape[1] // k.shape[1])  # [N, H, S, E]
+        scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        _, lse = tiled_forward(q, k, k[..., :1], spec, scale_)  # a 1-wide value: only lse is used
+        h_idx = _index("heads", heads, q.shape[1])
+        r_idx = _index("rows", rows, q.shape[2])
+        w = weights_from_lse(q, k, lse, spec, scale_, heads=h_idx, rows=r_idx)  # [N, h, r, S]
+    lead = query.shape[:-3] if query.dim() > 3 else ()
+    return w.to(query.dtype).reshape(*lead, *w.shape[1:]) if lead else w[0].to(query.dtype)
