@@ -283,6 +283,46 @@ def report(results: dict) -> str:
     return "\n".join(head + lines) + "\n"
 
 
+def targets_table(res: dict) -> str:
+    """The issue's targets from a ``--targets`` run, as a markdown table."""
+    c, w16, w32 = res["causal_4096"], res["window_16384"], res["window_32768"]
+    best16 = min(w16[b] for b in ("sparse", "flex"))
+    best16_name = min(("sparse", "flex"), key=lambda b: w16[b])
+    rows = [
+        (
+            "tiled causal 4096 within 1.5x of torch sdpa",
+            f"tiled {c['tiled'] * 1e3:.0f} ms, torch {c['torch'] * 1e3:.0f} ms: "
+            f"{c['tiled'] / c['torch']:.2f}x",
+            c["tiled"] / c["torch"] <= 1.5,
+        ),
+        (
+            "window w=512 at 16384: best of sparse/flex >= 10x faster than torch + dense mask",
+            f"{best16_name} {best16 * 1e3:.0f} ms, torch {w16['torch'] * 1e3:.0f} ms: "
+            f"{w16['torch'] / best16:.1f}x",
+            w16["torch"] / best16 >= 10,
+        ),
+    ]
+    for b in ("sparse", "flex", "tiled"):
+        r = w32[b] / w16[b]
+        label = f"{b}: time(32768) / time(16384) <= 2.2" + (
+            " (not in the target)" if b == "tiled" else ""
+        )
+        rows.append((label, f"{w32[b]:.2f} s / {w16[b]:.2f} s = {r:.2f}", r <= 2.2))
+    for name, cell in (("causal 4096", c), ("window 16384", w16), ("window 32768", w32)):
+        best = min(v for k, v in cell.items() if k != "auto")
+        who = min((k for k in cell if k != "auto"), key=lambda k: cell[k])
+        rows.append(
+            (
+                f"auto within 1.1x of the best, {name}",
+                f"auto {cell['auto'] * 1e3:.0f} ms, best {who} {best * 1e3:.0f} ms: {cell['auto'] / best:.2f}x",
+                cell["auto"] / best <= 1.1,
+            )
+        )
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {'yes' if ok else '**no**'} |" for t, m, ok in rows]
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 

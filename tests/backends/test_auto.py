@@ -11,6 +11,7 @@ from attnlab import backends
 from attnlab.backends import cost_model, explain, use
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional.score_mods import softcap
 
 
 def _view(*shape: int) -> torch.Tensor:
@@ -79,10 +80,10 @@ def test_long_sliding_window_skips_blocks_and_says_why_sdpa_lost() -> None:
     assert str(e).startswith(f"backend: {e.chosen}")
 
 
-def test_weights_and_dropout_rule_backends_out() -> None:
+def test_score_mods_and_dropout_rule_backends_out() -> None:
     x = _view(1, 2, 256, 64)
-    e = explain(x, x, x, M.sliding_window(31), return_weights=True)
-    assert e.chosen != "sdpa" and "weights" in e.reasons["sdpa"]
+    e = explain(x, x, x, M.causal().with_scores(softcap(5.0)), return_weights=True)
+    assert e.chosen != "sdpa" and "score modifiers" in e.reasons["sdpa"]
     e = explain(x, x, x, dropout_p=0.1)
     assert e.chosen in ("sdpa", "reference")
     assert "dropout" in e.reasons["tiled"]

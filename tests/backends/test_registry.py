@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from attnlab import backends
+from attnlab.functional import masks
 from attnlab.functional import scaled_dot_product_attention as sdpa
+from attnlab.functional.score_mods import softcap
 
 
 def test_known_backends_and_unknown_name() -> None:
@@ -39,12 +41,15 @@ def test_explain_gives_a_reason_for_every_backend() -> None:
 
 
 def test_naming_a_backend_that_cannot_run_the_call_is_an_error() -> None:
+    # issue 4: every exact backend returns weights; torch's kernel cannot soft-cap scores
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="'sdpa'.*cannot run this call.*weights"):
-        sdpa(q, q, q, backend="sdpa", return_weights=True)
+    capped = masks.causal().with_scores(softcap(5.0))
+    with pytest.raises(ValueError, match="'sdpa'.*cannot run this call.*score modifiers"):
+        sdpa(q, q, q, capped, backend="sdpa")
 
 
-def test_return_weights_under_use_sdpa_is_explained() -> None:
+def test_a_call_the_used_backend_cannot_run_is_explained() -> None:
     q = torch.randn(1, 2, 4, 8)
+    capped = masks.causal().with_scores(softcap(5.0))
     with backends.use("sdpa"), pytest.raises(ValueError, match="set by attnlab.backends.use"):
-        sdpa(q, q, q, return_weights=True)
+        sdpa(q, q, q, capped)

@@ -12,7 +12,7 @@ from attnlab.functional.score_mods import alibi, alibi_slopes, softcap
 
 def test_alibi_slopes_follow_the_paper() -> None:
     torch.testing.assert_close(
-        alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)], dtype=torch.float64)
+        alibi_slopes(8).double(), torch.tensor([2.0**-i for i in range(1, 9)], dtype=torch.float64)
     )
     twelve = alibi_slopes(12)
     torch.testing.assert_close(twelve[:8], alibi_slopes(8))

@@ -142,8 +142,10 @@ def test_backend_choice_does_not_change_the_result() -> None:
     fast.load_state_dict(ref.state_dict())
     x = torch.randn(2, 5, 16)
     torch.testing.assert_close(ref(x)[0], fast(x)[0], atol=1e-6, rtol=1e-5)
-    with pytest.raises(ValueError, match="cannot run"):
-        fast(x, need_weights=True)
+    # issue 4: sdpa returns weights too, recomputed from a log-sum-exp
+    torch.testing.assert_close(
+        ref(x, need_weights=True)[1], fast(x, need_weights=True)[1], atol=1e-6, rtol=1e-5
+    )
 
 
 def test_scaled_dot_product_reference_inside_the_module() -> None:

@@ -36,7 +36,7 @@ from attnlab.functional.masks import MaskPattern, causal
 if TYPE_CHECKING:
     from attnlab.backends.registry import AttentionCall
 
-__all__ = ["Estimate", "computed_pairs", "estimate", "format_seconds", "units"]
+__all__ = ["Estimate", "computed_pairs", "estimate", "format_seconds", "lse_pass", "units"]
 
 _MAX_CACHED = 128
 _pairs_cache: OrderedDict[tuple[object, ...], tuple[MaskPattern | None, float]] = OrderedDict()
@@ -91,6 +91,15 @@ def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
     if len(_pairs_cache) > _MAX_CACHED:
         _pairs_cache.popitem(last=False)
     return pairs
+
+
+def lse_pass(call: AttentionCall) -> float:
+    """Seconds of the ``tiled`` pass that gives a log-sum-exp to a kernel that keeps none."""
+    if not call.return_weights:
+        return 0.0
+    table = cost_constants.CONSTANTS.get(call.device.type) or cost_constants.CONSTANTS["cpu"]
+    overhead, per_unit = table["tiled"]["fwd"]
+    return overhead + units(call, computed_pairs(call, 256, 256)) * per_unit
 
 
 def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None:

@@ -13,9 +13,9 @@ cached here per (shapes, dtype, device, pattern): the first call for a shape log
 warning that a compile is coming, and :func:`is_compiled` lets ``auto`` avoid a
 backend whose next call would compile.
 
-Limits of torch 2.13 on CPU, reported by the check (a GPU has neither): the
-compiled CPU kernel runs inference only and cannot return the log-sum-exp, so
-gradients and ``return_weights`` need another backend there.
+Limits of torch 2.13 on CPU (a GPU has neither): the compiled CPU kernel runs
+inference only, which the check reports (gradients need another backend), and it
+cannot return the log-sum-exp, so ``return_weights`` takes it from a ``tiled`` pass.
 
 Shape notation: ``N`` flattened batch, ``H`` query heads, ``L`` query length,
 ``S`` key length, ``E`` head dim.
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.blocks import flatten_batch, mask_spec, weights_from_lse
-from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
+from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.masks import MaskPattern
 
@@ -203,6 +203,7 @@ def flex_attention(
         )
     scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gqa = q.shape[1] != k.shape[1]
+    cpu = q.device.type == "cpu"
     score_mod = _score_mod(user_pattern) if spec.score_mods else None
     result = _flex()(
         q,
@@ -212,11 +213,18 @@ def flex_attention(
         block_mask=block_mask,
         scale=scale_,
         enable_gqa=gqa,
-        return_lse=return_weights,
+        return_lse=return_weights and not cpu,
     )
     _compiled_keys.add(shape_key)
     weights = None
-    if return_weights:
+    if return_weights and cpu:
+        # The compiled CPU kernel has no log-sum-exp output (torch 2.13): take it from
+        # a tiled pass, O(L) memory, and recompute the weights from it.
+        from attnlab.backends.weights import attention_weights
+
+        out = result
+        weights = attention_weights(query, key, attn_mask, is_causal, scale, enable_gqa)
+    elif return_weights:
         out, lse = result
         kk = k if not gqa else k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         with torch.no_grad():
@@ -239,8 +247,6 @@ def _check(call: AttentionCall) -> str | None:
     if call.device.type == "cpu":
         if call.needs_grad:
             return "compiled FlexAttention on CPU runs inference only (torch 2.13): no gradients"
-        if call.return_weights:
-            return "compiled FlexAttention on CPU cannot return the log-sum-exp for the weights"
         if shutil.which("g++") is None and shutil.which("c++") is None:
             return "torch.compile on CPU needs a C++ compiler, none on PATH"
     return None
@@ -248,6 +254,8 @@ def _check(call: AttentionCall) -> str | None:
 
 def _cost(call: AttentionCall) -> Estimate | None:
     est = estimate("flex", call, computed_pairs(call, BLOCK_SIZE, BLOCK_SIZE))
+    if est is not None and call.return_weights and call.device.type == "cpu":
+        est = Estimate(est.seconds + lse_pass(call), est.note + " + a tiled pass for the weights")
     if est is None or is_compiled(call):
         return est
     return Estimate(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.backends.cost_model import Estimate, estimate
+from attnlab.backends.cost_model import Estimate, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.masks import causal_mask
 
@@ -20,8 +20,6 @@ from attnlab.functional.masks import causal_mask
 def _check(call: AttentionCall) -> str | None:
     if call.pattern is not None and call.pattern.score_mods:
         return f"cannot apply score modifiers {list(call.pattern.score_mods)} inside torch's kernel"
-    if call.return_weights:
-        return "torch's kernel does not return attention weights"
     if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
         return "empty query or key sequence"
     return None
@@ -41,9 +39,11 @@ def sdpa_torch(
 ) -> tuple[Tensor, Tensor | None]:
     """Run :func:`torch.nn.functional.scaled_dot_product_attention` with attnlab's guarantees.
 
-    Shapes as in :func:`attnlab.functional.sdpa_reference`; ``return_weights`` must be False.
+    Shapes as in :func:`attnlab.functional.sdpa_reference`. With ``return_weights``
+    the weights are recomputed from a log-sum-exp (:func:`attnlab.backends.attention_weights`).
     """
     L, S = query.shape[-2], key.shape[-2]
+    given_mask, given_causal = attn_mask, is_causal
     if attn_mask is not None and is_causal:
         causal = causal_mask(L, S, device=query.device)
         attn_mask = (
@@ -80,7 +80,14 @@ def sdpa_torch(
     )
     if row_ok is not None:
         out = out.masked_fill(~row_ok, 0.0)
-    return out, None
+    weights = None
+    if return_weights:
+        # torch's kernel keeps no log-sum-exp: get it from a tiled pass (O(L) memory)
+        # and recompute the weights from it, as every block-wise backend does.
+        from attnlab.backends.weights import attention_weights
+
+        weights = attention_weights(query, key, given_mask, given_causal, scale, enable_gqa)
+    return out, weights
 
 
 def _cost(call: AttentionCall) -> Estimate | None:
@@ -89,7 +96,11 @@ def _cost(call: AttentionCall) -> Estimate | None:
     est = estimate(
         "sdpa_flash" if flash else "sdpa", call, L * S / 2 if flash and call.is_causal else L * S
     )
-    if est is None or call.pattern is None:
+    if est is None:
+        return None
+    if call.return_weights:
+        est = Estimate(est.seconds + lse_pass(call), est.note + " + a tiled pass for the weights")
+    if call.pattern is None:
         return est
     return Estimate(
         est.seconds,

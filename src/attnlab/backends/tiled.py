@@ -54,7 +54,7 @@ MAX_SPAN = 4096
 
 
 def _tile_lists(
-    spec: MaskSpec, block_q: int, block_k: int, device: torch.device
+    spec: MaskSpec, block_q: int, block_k: int, device: torch.device, max_span: int | None = None
 ) -> list[list[tuple[int, int, bool]]]:
     """For each query block, the key spans ``(k0, k1, full)`` to visit.
 
@@ -66,7 +66,7 @@ def _tile_lists(
     """
     needed, full = spec.tiles(block_q, block_k, device)
     S = spec.kv_len
-    per_span = max(1, MAX_SPAN // block_k)
+    per_span = max(1, (MAX_SPAN if max_span is None else max_span) // block_k)
     out: list[list[tuple[int, int, bool]]] = []
     for i in range(needed.shape[0]):
         cols = needed[i].nonzero().flatten().tolist()
@@ -93,6 +93,7 @@ def tiled_forward(
     scale: float,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    max_span: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Forward pass with an online softmax.
 
@@ -104,6 +105,8 @@ def tiled_forward(
         scale: score scale.
         block_q: query rows per block.
         block_k: keys per block.
+        max_span: most keys per product (default :data:`MAX_SPAN`); ``block_k``
+            visits every key block separately.
 
     Returns:
         ``(out [N, H, L, Ev], lse [N, H, L])``; a fully masked row has ``out = 0`` and
@@ -113,7 +116,7 @@ def tiled_forward(
     Ev = v.shape[-1]
     out = q.new_zeros(N, H, L, Ev)
     lse = q.new_full((N, H, L), float("-inf"))
-    tiles = _tile_lists(spec, block_q, block_k, q.device)
+    tiles = _tile_lists(spec, block_q, block_k, q.device, max_span)
     for i, row in enumerate(tiles):
         if not row:
             continue
@@ -152,6 +155,7 @@ def _tiled_backward(
     scale: float,
     block_q: int,
     block_k: int,
+    max_span: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward pass: recompute each tile's probabilities from ``lse`` (FlashAttention-2, alg. 2)."""
     L = q.shape[2]
@@ -160,7 +164,7 @@ def _tiled_backward(
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    tiles = _tile_lists(spec, block_q, block_k, q.device)
+    tiles = _tile_lists(spec, block_q, block_k, q.device, max_span)
     for i, row in enumerate(tiles):
         if not row:
             continue
@@ -198,13 +202,15 @@ class _TiledAttention(torch.autograd.Function):
         scale: float,
         block_q: int,
         block_k: int,
+        max_span: int | None,
     ) -> tuple[Tensor, Tensor]:
         dtype = q.dtype
         cdt = compute_dtype(dtype)
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
-        out, lse = tiled_forward(qc, kc, vc, spec, scale, block_q, block_k)
+        out, lse = tiled_forward(qc, kc, vc, spec, scale, block_q, block_k, max_span)
         ctx.save_for_backward(qc, kc, vc, out, lse)
-        ctx.spec, ctx.scale, ctx.blocks, ctx.dtype = spec, scale, (block_q, block_k), dtype
+        ctx.spec, ctx.scale, ctx.dtype = spec, scale, dtype
+        ctx.blocks = (block_q, block_k, max_span)
         ctx.mark_non_differentiable(lse)
         return out.to(dtype), lse
 
@@ -215,7 +221,7 @@ class _TiledAttention(torch.autograd.Function):
             qc, kc, vc, out, lse, dout.to(qc.dtype), ctx.spec, ctx.scale, *ctx.blocks
         )
         d = ctx.dtype
-        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None
+        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None, None
 
 
 def tiled_attention(
@@ -231,6 +237,7 @@ def tiled_attention(
     return_weights: bool = False,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    max_span: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Exact attention by tiles with an online softmax (FlashAttention-2 in PyTorch).
 
@@ -253,7 +260,7 @@ def tiled_attention(
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = _TiledAttention.apply(q, k, v, spec, scale, block_q, block_k)
+    out, lse = _TiledAttention.apply(q, k, v, spec, scale, block_q, block_k, max_span)
     out = out.reshape(*query.shape[:-1], value.shape[-1])  # [B.., H, L, Ev]
     weights = None
     if return_weights:

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 SUBCOMMANDS: list[str] = [
     "demo",
     "generate",
-    "backends",
     "estimate",
     "advise",
     "diagnose",
     "visualize",
+    "backends",
 ]
 
 

@@ -6,7 +6,8 @@ FlexAttention's ``score_mod`` does. Backends that understand them apply them on
 the fly, tile by tile, without an ``L x S`` bias tensor. They reach a backend
 attached to a mask pattern: ``masks.causal().with_scores(alibi(slopes))``.
 
-* :func:`alibi`: ALiBi, a linear bias by distance per head (Press et al., 2022,
+* :func:`alibi`: ALiBi, a linear bias by distance per head, with the slopes of
+  :func:`attnlab.functional.positions.alibi_slopes` (Press et al., 2022,
   "Train short, test long: attention with linear biases enables input length
   extrapolation").
 * :func:`softcap`: logit soft-capping ``cap * tanh(s / cap)`` (Bello et al., 2016,
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from attnlab.functional.positions import alibi_slopes
 
 __all__ = ["ALiBi", "ScoreMod", "SoftCap", "alibi", "alibi_slopes", "softcap"]
 
@@ -45,27 +48,6 @@ class ScoreMod:
 
     def check_heads(self, num_heads: int) -> None:
         """Raise ``ValueError`` if the modifier does not fit ``num_heads`` query heads."""
-
-
-def alibi_slopes(num_heads: int) -> Tensor:
-    """ALiBi's head slopes: the geometric sequence ``2^(-8 i / n)``, ``i = 1..n``.
-
-    For a head count that is not a power of two, the slopes of the next lower power
-    of two are followed by every other slope of the next higher one, as in the
-    paper's reference code.
-    """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-
-    def powers(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    low = 1 << (num_heads.bit_length() - 1)
-    slopes = powers(low)
-    if low < num_heads:
-        slopes += powers(2 * low)[0::2][: num_heads - low]
-    return torch.tensor(slopes, dtype=torch.float64)
 
 
 class ALiBi(ScoreMod):
