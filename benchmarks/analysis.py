@@ -6,8 +6,9 @@ Measures, in one process and alternating:
   all-MiniLM-L6-v2, bare and inside ``NonFiniteWatch`` (the forward hooks of
   ``attnlab.analysis.diagnose``: one float32 sum per module output); the peer is the
   bare forward. Target: at most 20 % overhead;
-* the same with attention statistics: ``diagnose(...)`` in full (weights requested, so the
-  reference backend runs) against a bare forward that also returns the weights;
+* the same with attention statistics: ``diagnose(...)`` in full (weights requested, so
+  ``auto`` picks a backend that returns them) against a bare forward that also returns
+  the weights;
 * ``estimate()`` per call on every preset and mode (target: under 50 ms), and the
   ``attnlab estimate`` command end to end (a fresh Python process printing the table).
 
@@ -118,7 +119,7 @@ median of {args.rounds} alternating rounds ({machine_line()}):
 |---|---|---|---|---|
 | bare forward (default backend) | {ms["bare"]:.1f} | | {cms["bare"]:.1f} | |
 | inside `NonFiniteWatch` (the hooks of `diagnose`) | {ms["watched"]:.1f} | {hooks:+.1%} | {cms["watched"]:.1f} | {hooks_cpu:+.1%} |
-| bare forward returning the weights (reference backend) | {ms["bare_weights"]:.1f} | | {cms["bare_weights"]:.1f} | |
+| bare forward returning the weights (auto picks a backend that returns them) | {ms["bare_weights"]:.1f} | | {cms["bare_weights"]:.1f} | |
 | `diagnose()` in full: hooks + weights + per-head statistics | {ms["full"]:.1f} | {stats:+.1%} | {cms["full"]:.1f} | {stats_cpu:+.1%} |
 
 Target for the hooks: at most +20 %. "CPU ms" is this process's CPU time (all its threads), which
