@@ -22,6 +22,20 @@ def check_tensor(name: str, x: object) -> Tensor:
     return x
 
 
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an int > 0 (not a bool), else raise ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_probability(name: str, value: object) -> float:
+    """Return ``value`` if it is a number in [0, 1), else raise ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
 def check_attention_inputs(
     query: Tensor,
     key: Tensor,

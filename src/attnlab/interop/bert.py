@@ -6,7 +6,12 @@ from typing import Any
 
 from torch import nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
+from attnlab.interop.hf import (
+    Converter,
+    per_layer_keys,
+    register_converter,
+    require_transformers,
+)
 from attnlab.models.config import EncoderConfig
 from attnlab.models.encoder import EncoderModel
 
@@ -61,10 +66,7 @@ def key_map(model: nn.Module) -> dict[str, str]:
         "feed_forward.fc_out": "output.dense",
         "ffn_norm": "output.LayerNorm",
     }
-    for i in range(len(model.layers)):
-        for ours, theirs in parts.items():
-            for kind in ("weight", "bias"):
-                m[f"layers.{i}.{ours}.{kind}"] = f"encoder.layer.{i}.{theirs}.{kind}"
+    m |= per_layer_keys(len(model.layers), parts, "encoder.layer")
     if model.pooler is not None:
         m["pooler.dense.weight"] = "pooler.dense.weight"
         m["pooler.dense.bias"] = "pooler.dense.bias"

@@ -11,7 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
+from attnlab.interop.hf import (
+    Converter,
+    per_layer_keys,
+    register_converter,
+    require_transformers,
+)
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 
@@ -64,11 +69,7 @@ def key_map(model: nn.Module) -> dict[str, str]:
         "self_attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
     }
-    for i in range(len(model.layers)):
-        for ours, theirs in parts.items():
-            for kind in ("weight", "bias"):
-                m[f"layers.{i}.{ours}.{kind}"] = f"transformer.h.{i}.{theirs}.{kind}"
-    return m
+    return m | per_layer_keys(len(model.layers), parts, "transformer.h")
 
 
 def weights_from_hf(weights: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:

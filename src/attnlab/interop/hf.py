@@ -9,7 +9,7 @@ folder path needs only ``safetensors``, not ``transformers``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,14 @@ from torch import Tensor, nn
 
 from attnlab.interop.checkpoints import load_safetensors_dir, read_config
 
-__all__ = ["Converter", "from_hf", "register_converter", "supported_architectures", "to_hf"]
+__all__ = [
+    "Converter",
+    "from_hf",
+    "per_layer_keys",
+    "register_converter",
+    "supported_architectures",
+    "to_hf",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,34 @@ class Converter:
 
 
 _CONVERTERS: dict[str, Converter] = {}
+
+
+def per_layer_keys(
+    num_layers: int,
+    parts: dict[str, str],
+    theirs: str,
+    *,
+    ours: str = "layers",
+    kinds: tuple[str, ...] = ("weight", "bias"),
+    present: Container[str] | None = None,
+) -> dict[str, str]:
+    """Key map of a layer stack: ``{ours}.{i}.{part}.{kind}`` -> ``{theirs}.{i}.{their_part}.{kind}``.
+
+    Args:
+        num_layers: number of layers.
+        parts: attnlab sub-module path -> transformers sub-module path, within one layer.
+        theirs: transformers' prefix of the layer list (e.g. ``"transformer.h"``).
+        ours: attnlab's prefix of the layer list.
+        kinds: parameter names to map in each part.
+        present: if given, only attnlab keys in it are mapped (parts without a bias).
+    """
+    return {
+        f"{ours}.{i}.{o}.{kind}": f"{theirs}.{i}.{t}.{kind}"
+        for i in range(num_layers)
+        for o, t in parts.items()
+        for kind in kinds
+        if present is None or f"{ours}.{i}.{o}.{kind}" in present
+    }
 
 
 def register_converter(conv: Converter) -> Converter:

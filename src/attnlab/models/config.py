@@ -11,19 +11,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.modules.activations import activation_names
 
 __all__ = ["EncoderConfig"]
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _probability(name: str, value: object) -> None:
-    if not isinstance(value, int | float) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
 @dataclass
@@ -73,10 +64,10 @@ class EncoderConfig:
             "intermediate_size",
             "max_position_embeddings",
         ):
-            _positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        _positive("num_key_value_heads", self.num_key_value_heads)
+        check_positive_int("num_key_value_heads", self.num_key_value_heads)
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -89,8 +80,8 @@ class EncoderConfig:
             )
         if self.hidden_act not in activation_names():
             raise ValueError(f"hidden_act {self.hidden_act!r} unknown; known: {activation_names()}")
-        _probability("hidden_dropout_prob", self.hidden_dropout_prob)
-        _probability("attention_probs_dropout_prob", self.attention_probs_dropout_prob)
+        check_probability("hidden_dropout_prob", self.hidden_dropout_prob)
+        check_probability("attention_probs_dropout_prob", self.attention_probs_dropout_prob)
         if (
             isinstance(self.type_vocab_size, bool)
             or not isinstance(self.type_vocab_size, int)

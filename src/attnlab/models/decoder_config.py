@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.functional.positions import ROPE_TYPES
-from attnlab.models.config import _positive, _probability
 from attnlab.modules.activations import activation_names
 
 __all__ = ["DecoderConfig"]
@@ -94,10 +94,10 @@ class DecoderConfig:
             "intermediate_size",
             "max_position_embeddings",
         ):
-            _positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        _positive("num_key_value_heads", self.num_key_value_heads)
+        check_positive_int("num_key_value_heads", self.num_key_value_heads)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
@@ -110,7 +110,7 @@ class DecoderConfig:
                     f"({self.num_attention_heads}), or set head_dim"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        _positive("head_dim", self.head_dim)
+        check_positive_int("head_dim", self.head_dim)
         for name, value, allowed in (
             ("mlp", self.mlp, MLPS),
             ("norm", self.norm, NORMS),
@@ -134,11 +134,11 @@ class DecoderConfig:
                     f"unknown RoPE scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}"
                 )
         if self.sliding_window is not None:
-            _positive("sliding_window", self.sliding_window)
+            check_positive_int("sliding_window", self.sliding_window)
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
-        _probability("attention_dropout", self.attention_dropout)
-        _probability("hidden_dropout", self.hidden_dropout)
+        check_probability("attention_dropout", self.attention_dropout)
+        check_probability("hidden_dropout", self.hidden_dropout)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             tok = getattr(self, name)
             if tok is not None and not 0 <= tok < self.vocab_size:

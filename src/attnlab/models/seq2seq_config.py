@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from attnlab.models.config import _positive, _probability
+from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.modules.activations import activation_names
 
 __all__ = ["Seq2SeqConfig"]
@@ -76,10 +76,10 @@ class Seq2SeqConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers"):
-            _positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
-        _positive("num_decoder_layers", self.num_decoder_layers)
+        check_positive_int("num_decoder_layers", self.num_decoder_layers)
         if self.d_kv is None:
             if self.d_model % self.num_heads:
                 raise ValueError(
@@ -87,7 +87,7 @@ class Seq2SeqConfig:
                     "or set d_kv"
                 )
             self.d_kv = self.d_model // self.num_heads
-        _positive("d_kv", self.d_kv)
+        check_positive_int("d_kv", self.d_kv)
         for name, value, allowed in (
             ("position_embedding", self.position_embedding, POSITIONS),
             ("norm", self.norm, ("rmsnorm", "layernorm")),
@@ -101,11 +101,11 @@ class Seq2SeqConfig:
                 f"unknown dense_act_fn {self.dense_act_fn!r}; known: {activation_names()}"
             )
         for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
-            _positive(name, getattr(self, name))
-        _positive("max_position_embeddings", self.max_position_embeddings)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("max_position_embeddings", self.max_position_embeddings)
         if self.position_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        _probability("dropout_rate", self.dropout_rate)
+        check_probability("dropout_rate", self.dropout_rate)
         for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
             tok = getattr(self, name)
             if tok is not None and not 0 <= tok < self.vocab_size:

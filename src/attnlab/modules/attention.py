@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_positive_int, check_probability, check_tensor
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
 from attnlab.functional.masks import combine, padding_mask
 
@@ -81,12 +81,10 @@ class MultiHeadAttention(nn.Module):
         scale: float | None = None,
     ) -> None:
         super().__init__()
-        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
-            raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+        check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
@@ -98,10 +96,9 @@ class MultiHeadAttention(nn.Module):
                     "or pass head_dim explicitly"
                 )
             head_dim = embed_dim // num_heads
-        elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        else:
+            check_positive_int("head_dim", head_dim)
+        check_probability("dropout", dropout)
         kv_embed_dim = embed_dim if kv_embed_dim is None else kv_embed_dim
         self.embed_dim = embed_dim
         self.kv_embed_dim = kv_embed_dim

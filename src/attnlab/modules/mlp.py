@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.modules.activations import get_activation
 
 __all__ = ["FeedForward", "GatedFeedForward"]
@@ -33,11 +34,9 @@ class FeedForward(nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        for name, val in (("embed_dim", embed_dim), ("hidden_dim", hidden_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_probability("dropout", dropout)
         self.activation_name = activation
         self.act = get_activation(activation)
         self.fc_in = nn.Linear(embed_dim, hidden_dim, bias=bias)
@@ -76,11 +75,9 @@ class GatedFeedForward(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        for name, val in (("embed_dim", embed_dim), ("hidden_dim", hidden_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_probability("dropout", dropout)
         self.activation_name = activation
         self.act = get_activation(activation)
         self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
