@@ -126,7 +126,7 @@ def write_index(
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1200px; color: #1d2433; }}
+body {{ font-family: system-ui, sans-serif; margin: 24px auto; padding: 0 16px; max-width: 1200px; box-sizing: border-box; color: #1d2433; }}
 h1 {{ font-size: 22px; }} h2 {{ font-size: 16px; margin: 28px 0 8px; }}
 img {{ max-width: 100%; border: 1px solid #dde1e8; border-radius: 6px; }}
 pre {{ background: #f3f5f8; padding: 10px; border-radius: 6px; overflow-x: auto; font-size: 12px; }}
