@@ -88,3 +88,13 @@ def test_bad_inputs(kwargs: dict[str, object], match: str) -> None:
     task = kwargs.pop("task")
     with pytest.raises(ValueError, match=match):
         advise(task, **kwargs)  # type: ignore[arg-type]
+
+
+def test_generation_total_counts_the_kv_cache_it_reasons_with() -> None:
+    a = advise("generation", seq_len=8192, memory_gb=4)
+    assert a.fits and a.total_bytes > a.estimate.total_bytes  # the KV cache is part of it
+    assert a.total_bytes <= 4 * 1024**3
+    totals = [
+        line.strip() for line in a.summary().splitlines() if line.strip().startswith("total:")
+    ]
+    assert totals == [f"total: {human_bytes(a.total_bytes)} (fits)"]

@@ -84,6 +84,10 @@ class Advice:
         recommendations: one per topic.
         arch: the recommended architecture.
         estimate: the cost report of the recommendation.
+        fits: whether the recommendation fits the memory budget.
+        total_bytes: memory of the recommendation: the report's total plus, when
+            generating, the KV cache (what is compared with the budget).
+        notes: remarks that are not about one topic.
     """
 
     task: str
@@ -96,6 +100,7 @@ class Advice:
     arch: ArchSpec
     estimate: CostReport
     fits: bool = True
+    total_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def get(self, topic: str) -> Recommendation:
@@ -121,7 +126,7 @@ class Advice:
             lines.append(f"  {r.topic:<13} {r.choice}")
             lines.append(f"  {'':<13} why: {r.reason}")
         lines.append(
-            f"  total: {human_bytes(self.estimate.total_bytes)} "
+            f"  total: {human_bytes(self.total_bytes or self.estimate.total_bytes)} "
             + ("(fits)" if self.fits else "(does NOT fit: see above)")
         )
         lines += [f"  note: {n}" for n in self.notes]
@@ -547,6 +552,7 @@ def advise(
         arch=chosen,
         estimate=best.report,
         fits=fits,
+        total_bytes=best.bytes,
         notes=notes,
     )
 
