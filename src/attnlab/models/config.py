@@ -6,19 +6,17 @@ reads them without a glossary.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from attnlab.functional._checks import check_positive_int, check_probability
+from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
 __all__ = ["EncoderConfig"]
 
 
 @dataclass
-class EncoderConfig:
+class EncoderConfig(ConfigBase):
     """A BERT-style encoder.
 
     Attributes:
@@ -90,28 +88,10 @@ class EncoderConfig:
             raise ValueError(f"type_vocab_size must be an int >= 0, got {self.type_vocab_size!r}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(
-                f"pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})"
-            )
+        self._check_token_ids("pad_token_id")
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {self.norm_position!r}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
-        """Build from a dict, rejecting unknown keys by name."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown EncoderConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

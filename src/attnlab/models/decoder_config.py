@@ -7,11 +7,12 @@ chosen by values naming components (``position_embedding="rope"``, ``norm="rmsno
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.functional.positions import ROPE_TYPES
+from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
 __all__ = ["DecoderConfig"]
@@ -22,7 +23,7 @@ MLPS = ("gated", "standard")
 
 
 @dataclass
-class DecoderConfig:
+class DecoderConfig(ConfigBase):
     """A decoder-only Transformer language model.
 
     Attributes:
@@ -139,22 +140,7 @@ class DecoderConfig:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
         check_probability("attention_dropout", self.attention_dropout)
         check_probability("hidden_dropout", self.hidden_dropout)
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            tok = getattr(self, name)
-            if tok is not None and not 0 <= tok < self.vocab_size:
-                raise ValueError(f"{name} ({tok}) must be in [0, vocab_size={self.vocab_size})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DecoderConfig:
-        """Build from a dict, rejecting unknown keys by name."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown DecoderConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        self._check_token_ids("pad_token_id", "bos_token_id", "eos_token_id")
 
     # ------------------------------------------------------------------ presets
 

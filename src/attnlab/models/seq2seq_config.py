@@ -5,10 +5,11 @@ Field names follow transformers' ``T5Config``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from attnlab.functional._checks import check_positive_int, check_probability
+from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
 __all__ = ["Seq2SeqConfig"]
@@ -17,7 +18,7 @@ POSITIONS = ("t5_relative", "sinusoidal", "learned")
 
 
 @dataclass
-class Seq2SeqConfig:
+class Seq2SeqConfig(ConfigBase):
     """An encoder-decoder Transformer with cross-attention (Vaswani et al., 2017).
 
     Attributes:
@@ -106,22 +107,7 @@ class Seq2SeqConfig:
         if self.position_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         check_probability("dropout_rate", self.dropout_rate)
-        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-            tok = getattr(self, name)
-            if tok is not None and not 0 <= tok < self.vocab_size:
-                raise ValueError(f"{name} ({tok}) must be in [0, vocab_size={self.vocab_size})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqConfig:
-        """Build from a dict, rejecting unknown keys by name."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown Seq2SeqConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        self._check_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
 
     @classmethod
     def t5(cls, **overrides: Any) -> Seq2SeqConfig:
