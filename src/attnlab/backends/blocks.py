@@ -175,6 +175,24 @@ def pattern_allowed(pattern: MaskPattern, q_pos: Tensor, k_pos: Tensor, n: int) 
     return pattern.mask_mod(zero, zero, q_pos, k_pos)
 
 
+def check_blockwise_call(
+    backend: str, attn_mask: object, dropout_p: float, *, needs_pattern: bool
+) -> None:
+    """Refuse what the tile-by-tile backends cannot do, naming the backend and the values.
+
+    Raises:
+        ValueError: ``dropout_p > 0``; a dense mask where ``needs_pattern`` (only a
+            pattern says which blocks are empty without reading the whole mask).
+    """
+    if dropout_p > 0:
+        raise ValueError(f"the {backend} backend does not apply dropout, got dropout_p={dropout_p}")
+    if needs_pattern and isinstance(attn_mask, Tensor):
+        raise ValueError(
+            f"the {backend} backend needs a mask pattern (attnlab.functional.masks), got a dense "
+            f"{attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}"
+        )
+
+
 def mask_spec(
     attn_mask: Tensor | MaskPattern | None,
     is_causal: bool,

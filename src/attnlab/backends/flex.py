@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnlab.backends.blocks import flatten_batch, mask_spec, weights_from_lse
+from attnlab.backends.blocks import check_blockwise_call, flatten_batch, mask_spec, weights_from_lse
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.masks import MaskPattern
@@ -168,13 +168,7 @@ def flex_attention(
     Raises:
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
-    if dropout_p > 0:
-        raise ValueError(f"the flex backend does not apply dropout, got dropout_p={dropout_p}")
-    if isinstance(attn_mask, Tensor):
-        raise ValueError(
-            "the flex backend takes a mask pattern (attnlab.functional.masks), got a dense "
-            f"{attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}"
-        )
+    check_blockwise_call("flex", attn_mask, dropout_p, needs_pattern=True)
     spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
     q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
     n, L, S = q.shape[0], q.shape[2], k.shape[2]

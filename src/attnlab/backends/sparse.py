@@ -31,6 +31,7 @@ from torch import Tensor
 
 from attnlab.backends.blocks import (
     MaskSpec,
+    check_blockwise_call,
     compute_dtype,
     flatten_batch,
     mask_spec,
@@ -151,13 +152,7 @@ def sparse_attention(
     Raises:
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
-    if dropout_p > 0:
-        raise ValueError(f"the sparse backend does not apply dropout, got dropout_p={dropout_p}")
-    if isinstance(attn_mask, Tensor):
-        raise ValueError(
-            "the sparse backend needs a mask pattern (attnlab.functional.masks), got a dense "
-            f"{attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}"
-        )
+    check_blockwise_call("sparse", attn_mask, dropout_p, needs_pattern=True)
     spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
     if spec.pattern is None:
         spec.pattern = full()

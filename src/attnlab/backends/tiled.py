@@ -31,6 +31,7 @@ from torch import Tensor
 
 from attnlab.backends.blocks import (
     MaskSpec,
+    check_blockwise_call,
     compute_dtype,
     flatten_batch,
     mask_spec,
@@ -259,8 +260,7 @@ def tiled_attention(
     Raises:
         ValueError: ``dropout_p > 0``, or a pattern built for another batch size.
     """
-    if dropout_p > 0:
-        raise ValueError(f"the tiled backend does not apply dropout, got dropout_p={dropout_p}")
+    check_blockwise_call("tiled", attn_mask, dropout_p, needs_pattern=False)
     spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
     q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
     if q.shape[1] != k.shape[1]:
