@@ -351,3 +351,13 @@ def test_auto_follows_the_calibrated_choice_and_use() -> None:
     with backends.use("reference"):
         assert estimate(mistral, seq_len=512).backend == "reference"
     assert estimate(mistral, seq_len=512, backend="sparse").backend == "sparse"
+
+
+def test_cost_model_tiles_are_the_backends_tiles() -> None:
+    # analysis/ is importable without torch, so it restates the tile sizes; keep them in step.
+    from attnlab.analysis.cost_layers import BACKEND_TRAITS
+    from attnlab.backends import flex, sparse, tiled
+
+    assert BACKEND_TRAITS["tiled"].block == (tiled.BLOCK_Q, tiled.BLOCK_K)
+    assert BACKEND_TRAITS["sparse"].block == (sparse.BLOCK, sparse.BLOCK)
+    assert BACKEND_TRAITS["flex"].block == (flex.BLOCK_SIZE, flex.BLOCK_SIZE)
