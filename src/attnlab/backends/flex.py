@@ -23,6 +23,7 @@ Shape notation: ``N`` flattened batch, ``H`` query heads, ``L`` query length,
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import shutil
@@ -241,9 +242,15 @@ def _check(call: AttentionCall) -> str | None:
     if call.device.type == "cpu":
         if call.needs_grad:
             return "compiled FlexAttention on CPU runs inference only (torch 2.13): no gradients"
-        if shutil.which("g++") is None and shutil.which("c++") is None:
+        if not _have_cxx_compiler():
             return "torch.compile on CPU needs a C++ compiler, none on PATH"
     return None
+
+
+@functools.cache
+def _have_cxx_compiler() -> bool:
+    """Whether a C++ compiler is on PATH; looked up once, not on every attention call."""
+    return shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
 def _cost(call: AttentionCall) -> Estimate | None:
