@@ -102,7 +102,7 @@ def stream(
     _check_inputs(model, input_ids, max_new_tokens, attention_mask)
     if max_new_tokens == 0:
         return
-    config = model.config
+    config: Any = model.config
     device = input_ids.device
     b, p = input_ids.shape
     eos = _eos_tensor(eos_token_id, device)
@@ -110,6 +110,7 @@ def stream(
         pad_token_id = getattr(config, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
+    _check_token_id("pad_token_id", pad_token_id, config.vocab_size)
 
     def choose(logits: Tensor) -> Tensor:
         return next_token(
@@ -131,6 +132,7 @@ def stream(
     if cache is None:
         cache = model.new_cache(max_length=needed)  # type: ignore[operator]
     else:
+        _check_fresh_cache(cache)
         _check_cache_room(cache, needed)
     full_mask: Tensor | None = None
     next_pos: Tensor | None = None
@@ -175,6 +177,27 @@ def stream(
             next_pos = next_pos + 1
 
 
+def _check_token_id(name: str, value: object, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int token id, got {type(value).__name__} {value!r}")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got {value}")
+
+
+def _check_fresh_cache(cache: Any) -> None:
+    """Refuse a cache that already holds tokens (e.g. left by a stream stopped early).
+
+    Generation writes the prompt at slot 0; continuing a cache that holds another
+    call's tokens would attend to them and silently change the output.
+    """
+    length = getattr(cache, "length", 0)
+    if length:
+        raise ValueError(
+            f"cache holds {length} token(s) from an earlier call (a stream stopped early "
+            "leaves its tokens behind); call cache.reset() or pass a new cache"
+        )
+
+
 def _check_cache_room(cache: Any, needed: int) -> None:
     for layer in getattr(cache, "layers", []):
         room = getattr(layer, "max_length", None)
@@ -200,6 +223,8 @@ def _stream_seq2seq(
     encoder_out = model.encode(input_ids, attention_mask=attention_mask)  # [B, S_enc, D]
     if cache is None:
         cache = model.new_cache(max_length=max_new_tokens + 1)
+    else:
+        _check_fresh_cache(cache)
     start_id = model.config.decoder_start_token_id
     tok = torch.full((b,), start_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)

@@ -16,18 +16,13 @@ left-padded batch, each row's positions start at 0 at its first real token
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import (
-    DynamicKVCache,
-    KVCache,
-    ModelCache,
-    SlidingWindowKVCache,
-    StaticKVCache,
-)
+from attnlab.cache.base import KVCache, LayerCache, ModelCache
+from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_tensor
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
 from attnlab.models.decoder_config import DecoderConfig
@@ -163,17 +158,44 @@ class DecoderLM(nn.Module):
         """The LM head's ``[V, D]`` matrix (the token embeddings when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_cache(self, *, kind: CacheKind = "dynamic", max_length: int = 0) -> ModelCache:
+    def new_cache(
+        self,
+        *,
+        kind: CacheKind = "dynamic",
+        max_length: int = 0,
+        batch_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> ModelCache:
         """Empty caches for every layer.
 
         Args:
             kind: ``"dynamic"`` (growing; a rolling window cache for sliding-window
-                models) or ``"static"`` (preallocated, static shapes).
+                models) or ``"static"`` (preallocated, static shapes: the compiled
+                decode step's cache).
             max_length: slots to preallocate (required for ``"static"``).
+            batch_size: rows; with ``"static"``, the buffers are allocated now.
+            dtype: the static buffers' dtype (default: the model's).
+            device: the static buffers' device (default: the model's).
+
+        Raises:
+            ValueError: an unknown kind, or ``"static"`` without a positive ``max_length``.
         """
         window = self.config.sliding_window
         if kind == "static":
-            return ModelCache.build(len(self.layers), lambda: StaticKVCache(max_length=max_length))
+            weight = self.embed_tokens.weight
+            heads, dim = self.config.num_key_value_heads, self.config.head_dim
+            return ModelCache.build(
+                len(self.layers),
+                lambda: StaticKVCache(
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    num_kv_heads=heads,
+                    head_dim=dim,
+                    dtype=weight.dtype if dtype is None else dtype,
+                    device=weight.device if device is None else device,
+                ),
+            )
         if kind != "dynamic":
             raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
         if window is not None:
@@ -240,7 +262,7 @@ class DecoderLM(nn.Module):
             )
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
-        layer_caches: Iterator[KVCache | None] = (
+        layer_caches: Iterator[LayerCache | None] = (
             iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
         )
         for layer, layer_cache in zip(self.layers, layer_caches):
@@ -250,7 +272,7 @@ class DecoderLM(nn.Module):
                 is_causal=is_causal,
                 positions=positions,
                 key_positions=key_positions,
-                cache=layer_cache,
+                cache=cast(KVCache | None, layer_cache),
                 cache_start=start,
                 need_weights=output_attentions,
             )
@@ -349,7 +371,9 @@ class DecoderLM(nn.Module):
     ) -> tuple[Tensor | None, bool, Tensor | None]:
         """``(attn_mask, is_causal, key slots or None)`` shared by all layers."""
         window = self.config.sliding_window
-        first: KVCache | None = cache.layers[0] if cache is not None and cache.layers else None
+        first = cache.layers[0] if cache is not None and cache.layers else None
+        if first is not None and not isinstance(first, KVCache):
+            raise TypeError(f"a decoder layer needs a KVCache, got {type(first).__name__}")
         contiguous = first is None or isinstance(first, DynamicKVCache)
         if mask is None and window is None and contiguous:
             if start == 0:
@@ -357,7 +381,7 @@ class DecoderLM(nn.Module):
             if n == 1:
                 return None, False, None
         k_slots = (
-            first.key_slots(start, n, device)
+            first.key_slots(start, n, device)[0]
             if first is not None
             else torch.arange(start + n, device=device)
         )

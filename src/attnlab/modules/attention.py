@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
+from attnlab.cache.base import CrossAttentionCache, KVCache
 from attnlab.functional._checks import check_positive_int, check_probability, check_tensor
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
 from attnlab.functional.masks import combine, padding_mask

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
+from attnlab.cache.base import CrossAttentionCache, KVCache
 from attnlab.functional.attention import AttnMask
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.encoder_layer import NormPosition
