@@ -56,14 +56,15 @@ def sdpa_torch(
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             row_ok = attn_mask.any(dim=-1, keepdim=True)  # [.., L, 1]
-            if not bool(row_ok.all()):
+            # Compiled (a decode step): no host sync, the fix-up runs unconditionally.
+            if torch.compiler.is_compiling() or not bool(row_ok.all()):
                 attn_mask = attn_mask | ~row_ok
             else:
                 row_ok = None
         else:
             attn_mask = attn_mask.to(query.dtype)
             row_ok = (~torch.isneginf(attn_mask)).any(dim=-1, keepdim=True)
-            if not bool(row_ok.all()):
+            if torch.compiler.is_compiling() or not bool(row_ok.all()):
                 attn_mask = attn_mask.masked_fill(~row_ok, 0.0)
             else:
                 row_ok = None

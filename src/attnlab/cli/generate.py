@@ -35,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
     p.add_argument("--seed", type=int, default=0, help="seed of the random model and sampler")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the model's decode step with torch.compile over a static cache "
+        "(decoder-only models; the first tokens wait for the compile)",
+    )
     p.set_defaults(func=run)
 
 
@@ -108,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("pass a prompt with --prompt TEXT or --ids '1 2 3'")
     if not prompt:
         raise ValueError("the prompt is empty")
+    if args.compile and model.is_encoder_decoder:
+        raise ValueError(
+            f"--compile compiles a decoder-only model's decode step; "
+            f"{type(model).__name__} is an encoder-decoder: drop --compile"
+        )
     eos = args.eos if args.eos is not None else getattr(model.config, "eos_token_id", None)
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.tensor([prompt])
@@ -130,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         eos_token_id=eos,
         generator=generator,
+        compile=args.compile,
     ):
         new.append(int(tok[0]))
         if tokenizer is None:

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import DynamicKVCache, ModelCache
+from attnlab.cache.base import ModelCache
+from attnlab.cache.kv_cache import DynamicKVCache
+from attnlab.functional.masks import causal, padding
 from attnlab.functional.positions import apply_rope
-from attnlab.functional.slot_masks import positions_from_mask, slot_mask
+from attnlab.functional.score_mods import alibi
 from attnlab.models.decoder import DecoderLM
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
@@ -153,18 +155,25 @@ class FastDecodeStep:
         if rotary is not None:
             cos, sin = rotary.angles(pos)  # [B|1, 1, h_d/2]
         mask: Tensor | None = None
-        if attention_mask is not None:
-            k_slots = torch.arange(start + 1, device=device)
-            mask = slot_mask(k_slots[start:], k_slots, attention_mask=attention_mask)
-        if model.alibi is not None:
-            k_pos = (
-                positions_from_mask(attention_mask)
-                if attention_mask is not None
-                else torch.arange(start + 1, device=device)[None]
-            )
-            bias = model.alibi(pos, k_pos)  # [B|1, H, 1, T+1]
-            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-            mask = mask.to(x.dtype)  # as the attention backends pass a float mask
+        if attention_mask is not None or model.alibi_slopes is not None:
+            # The decoder's own pattern, evaluated for the one new query (a [B|1, 1, 1, T+1]
+            # row, with ALiBi as a per-key bias): the model's rules, not a copy of them.
+            q_slot = torch.full((1, 1), start, dtype=torch.long, device=device)
+            k_slots = torch.arange(start + 1, device=device)[None]  # [1, T+1]
+            pattern = causal() if attention_mask is None else causal() & padding(attention_mask)
+            allowed = pattern.evaluate(q_slot, k_slots)  # [B|1, 1, 1, T+1]
+            mask = allowed
+            if model.alibi_slopes is not None:
+                heads = torch.arange(self.h, device=device).view(-1, 1, 1)  # [H, 1, 1]
+                zero = torch.zeros(1, self.h, 1, start + 1, device=device, dtype=x.dtype)
+                bias = alibi(model.alibi_slopes)(
+                    zero,
+                    torch.zeros((), dtype=torch.long),
+                    heads,
+                    q_slot[:, None, :, None],
+                    k_slots[:, None, None, :],
+                )  # [1, H, 1, T+1]
+                mask = bias.masked_fill(~allowed, float("-inf")).to(x.dtype)
         h, h_kv, hd = self.h, self.h_kv, self.hd
         for lw, lc in zip(self.layers, cache.layers):
             assert isinstance(lc, DynamicKVCache)

@@ -2,7 +2,11 @@
 
 Shape notation: ``B`` batch, ``P`` prompt length (padding included), ``N`` new tokens.
 
-The loop runs the prompt once, then one token per step against the cache. It follows
+The loop runs the prompt once through the model's forward, then one token per step
+through the model's own :meth:`~attnlab.models.decoder.DecoderLM.decode_step`: eagerly
+over a growing cache, or, with ``compile=True``, compiled once by ``torch.compile``
+over a :class:`~attnlab.cache.StaticKVCache` (fixed shapes, the slot as a tensor, no
+graph break; gpt-fast's recipe, with no second copy of the forward). It follows
 transformers' ``generate``: positions of a left-padded row start at its first real
 token, a finished row (one that produced an EOS token) continues with the pad token,
 and generation stops when every row has finished or after ``max_new_tokens``.
@@ -17,11 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.functional._checks import check_tensor
+from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
-from attnlab.functional.slot_masks import positions_from_mask
 from attnlab.generation.fast_step import fast_step_for
 
 __all__ = ["generate", "stream"]
+
+#: Static caches of compiled generation hold a multiple of this many slots.
+STATIC_BUCKET = 128
 
 
 def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
@@ -91,6 +98,7 @@ def stream(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
+    compile: bool = False,
     fast_path: bool = True,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
@@ -129,7 +137,9 @@ def stream(
         return
 
     needed = p + max_new_tokens
-    if cache is None:
+    if compile:
+        cache = _static_cache(model, cache, b, needed)
+    elif cache is None:
         cache = model.new_cache(max_length=needed)  # type: ignore[operator]
     else:
         _check_fresh_cache(cache)
@@ -137,7 +147,9 @@ def stream(
     full_mask: Tensor | None = None
     next_pos: Tensor | None = None
     if attention_mask is not None and not bool(attention_mask.bool().all()):
-        full_mask = torch.ones(b, needed, dtype=torch.long, device=device)
+        # Over every slot of a static cache when compiling: one shape for every step.
+        slots = cache.layers[0].max_length if compile else needed
+        full_mask = torch.ones(b, slots, dtype=torch.long, device=device)
         full_mask[:, :p] = attention_mask
         next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -148,7 +160,9 @@ def stream(
         use_cache=True,
         logits_to_keep=1,
     ).logits
-    fast = fast_step_for(model, cache) if fast_path else None
+    step_fn: Any = compiled_decode_step(model) if compile else model.decode_step
+    fast = fast_step_for(model, cache) if fast_path and not compile else None
+    backend: str | None = None
     for step in range(max_new_tokens):
         tok = choose(logits)
         if eos is not None:
@@ -160,21 +174,81 @@ def stream(
                 return
         if step + 1 == max_new_tokens:
             return
-        length = p + step + 1
-        mask_now = full_mask[:, :length] if full_mask is not None else None
-        if fast is not None:
+        slot = p + step
+        if compile:  # the slot as a tensor and the whole mask: the same graph every step
+            start = torch.tensor(slot, device=device)
+            if backend is None:  # asked once, eagerly: the registry's context is not traced
+                backend = model.decode_backend(  # type: ignore[operator]
+                    tok[:, None], cache=cache, start=start, attention_mask=full_mask
+                )
+            logits = step_fn(
+                tok[:, None],
+                cache=cache,
+                start=start,
+                position_ids=next_pos,
+                attention_mask=full_mask,
+                backend=backend,
+            )
+            cache.set_length(slot + 1)
+        elif fast is not None:
+            mask_now = full_mask[:, : slot + 1] if full_mask is not None else None
             logits = fast(tok[:, None], cache=cache, attention_mask=mask_now, position_ids=next_pos)
         else:
-            logits = model(
+            logits = step_fn(
                 tok[:, None],
-                attention_mask=mask_now,
+                cache=cache,
+                start=slot,
                 position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits
+                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
+            )
         if next_pos is not None:
             next_pos = next_pos + 1
+
+
+def compiled_decode_step(model: nn.Module) -> Any:
+    """``torch.compile`` of ``model.decode_step``, made once per model and kept on it.
+
+    The step has fixed shapes over a static cache and takes its slot as a tensor, so one
+    graph serves every step of every generation with the same batch size and cache
+    length (``dynamic=False``; ``fullgraph=True`` fails loudly on a graph break
+    rather than running part of the step eagerly).
+    """
+    step = getattr(model, "_compiled_decode_step", None)
+    if step is None:
+        decode_step: Any = model.decode_step
+        step = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        model.__dict__["_compiled_decode_step"] = step
+    return step
+
+
+def _static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
+    """The static cache of a compiled generation: a new one, or the user's, checked."""
+    config: Any = model.config
+    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "decode_step"):
+        raise ValueError(
+            f"compile=True compiles a decoder-only model's decode step; {type(model).__name__} "
+            "has none: use compile=False"
+        )
+    if (getattr(config, "rope_scaling", None) or {}).get("rope_type") == "dynamic":
+        raise ValueError(
+            "compile=True needs fixed RoPE frequencies; dynamic NTK scaling changes them "
+            "with the length: use compile=False"
+        )
+    if cache is None:
+        # Lengths rounded up to a bucket: one compiled graph serves many prompt lengths
+        # (the causal pattern hides the slots beyond the current one).
+        bucket = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+        return model.new_cache(kind="static", max_length=bucket, batch_size=b)  # type: ignore[operator]
+    _check_fresh_cache(cache)
+    from attnlab.cache import StaticKVCache
+
+    if not all(isinstance(c, StaticKVCache) for c in getattr(cache, "layers", [])):
+        raise ValueError(
+            "compile=True needs static caches (model.new_cache(kind='static', ...)), got "
+            f"{sorted({type(c).__name__ for c in cache.layers})}"
+        )
+    _check_cache_room(cache, needed)
+    return cache
 
 
 def _check_token_id(name: str, value: object, vocab_size: int) -> None:
@@ -260,6 +334,7 @@ def generate(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
+    compile: bool = False,
     fast_path: bool = True,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
@@ -280,8 +355,12 @@ def generate(
         pad_token_id: the filler after EOS (default: the config's, else the EOS id, else 0).
         cache: a :class:`~attnlab.cache.ModelCache` to use (default: a fresh one sized
             for the prompt and the new tokens).
-        fast_path: decode with :class:`~attnlab.generation.fast_step.FastDecodeStep`
-            where it applies (same results; False runs every step through the modules).
+        compile: compile the model's decode step with ``torch.compile`` over a static
+            cache (the first call compiles, later ones reuse the graph); same tokens
+            as the eager loop. Decoder-only models.
+        fast_path: decode eagerly with
+            :class:`~attnlab.generation.fast_step.FastDecodeStep` where it applies (same
+            tokens; False runs every step through :meth:`DecoderLM.decode_step`).
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
@@ -307,6 +386,7 @@ def generate(
             generator,
             pad_token_id=pad_token_id,
             cache=cache,
+            compile=compile,
             fast_path=fast_path,
         )
     )

@@ -5,12 +5,19 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` slots so far (cached + new)
 
 The config names the components; :func:`build_decoder_layer` turns them into a
 :class:`~attnlab.modules.decoder_layer.DecoderLayer` with a
-:class:`~attnlab.modules.attention.MultiHeadAttention` that holds the position
-component (a shared :class:`RotaryEmbedding` or :class:`ALiBi`).
+:class:`~attnlab.modules.attention.MultiHeadAttention` that holds the shared
+:class:`~attnlab.modules.positions.RotaryEmbedding` (RoPE models).
 
-Positions and masks follow transformers' ``generate``: with an ``attention_mask`` of a
-left-padded batch, each row's positions start at 0 at its first real token
-(``cumsum(mask) - 1``), and masks compare slots (see :mod:`attnlab.cache.kv_cache`).
+One path: every forward describes its attention as a pattern evaluated on slots,
+``causal() & sliding_window(W - 1) & padding(attention_mask)``, with ALiBi as a score
+modifier, and passes the queries' and keys' slots (``q_positions``, ``k_positions``,
+the latter from the cache's ``key_slots``); the backend decides what to materialise.
+Positions of a left-padded batch follow transformers' ``generate``: each row starts at
+0 at its first real token (``cumsum(mask) - 1``).
+
+:meth:`DecoderLM.decode_step` is the same forward without the entry checks, with the
+slot as an int or a tensor: ``generate`` runs it eagerly, or compiles it over a
+:class:`~attnlab.cache.StaticKVCache` (fixed shapes, no host syncs, no graph breaks).
 """
 
 from __future__ import annotations
@@ -21,19 +28,24 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.base import KVCache, LayerCache, ModelCache
+from attnlab.backends.registry import AttentionCall, _choose
+from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_tensor
-from attnlab.functional.slot_masks import positions_from_mask, slot_mask
+from attnlab.functional.masks import MaskPattern, causal, padding, sliding_window
+from attnlab.functional.positions import alibi_slopes, positions_from_mask
+from attnlab.functional.score_mods import alibi
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.norms import RMSNorm
-from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
-from attnlab.modules.rotary import RotaryEmbedding
-from attnlab.modules.score_bias import ALiBi
+from attnlab.modules.positions import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+)
 
 __all__ = ["DecoderLM", "build_decoder_layer", "make_norm"]
 
@@ -53,7 +65,6 @@ def build_decoder_layer(
     config: DecoderConfig,
     *,
     rotary: nn.Module | None = None,
-    score_bias: nn.Module | None = None,
     backend: str = "auto",
 ) -> DecoderLayer:
     """One decoder layer as ``config`` describes it, with the given position components."""
@@ -84,7 +95,6 @@ def build_decoder_layer(
             dropout=config.attention_dropout,
             backend=backend,
             rotary=rotary,
-            score_bias=score_bias,
         ),
         feed_forward=ff,
         self_attn_norm=make_norm(config.norm, d, config.norm_eps),
@@ -127,7 +137,7 @@ class DecoderLM(nn.Module):
             make_norm(config.norm, d, config.norm_eps) if config.embedding_norm else None
         )
         self.rotary: RotaryEmbedding | None = None
-        self.alibi: ALiBi | None = None
+        self.alibi_slopes: Tensor | None = None  # ALiBi (Press et al., 2022): a score modifier
         if config.position_embedding == "rope":
             assert config.head_dim is not None
             self.rotary = RotaryEmbedding(
@@ -138,9 +148,9 @@ class DecoderLM(nn.Module):
                 convention="interleaved" if config.rope_convention == "interleaved" else "half",
             )
         elif config.position_embedding == "alibi":
-            self.alibi = ALiBi(num_heads=config.num_attention_heads)
+            self.alibi_slopes = alibi_slopes(config.num_attention_heads)
         self.layers = nn.ModuleList(
-            build_decoder_layer(config, rotary=self.rotary, score_bias=self.alibi, backend=backend)
+            build_decoder_layer(config, rotary=self.rotary, backend=backend)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = make_norm(config.norm, d, config.norm_eps)
@@ -243,23 +253,125 @@ class DecoderLM(nn.Module):
         if cache is None and use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
-        total = start + n
-        mask = self._check_mask(attention_mask, b, total)
-        full_pos = positions_from_mask(mask) if mask is not None else None  # [B, T]
-        positions = self._positions(position_ids, full_pos, b, start, n, x.device)
+        mask = self._check_mask(attention_mask, b, start + n)
+        if position_ids is not None:
+            position_ids = self._check_position_ids(position_ids, b, n)
+        elif mask is not None:
+            position_ids = positions_from_mask(mask)[:, start:]  # [B, L]
+        logits, hidden, attentions = self._run(
+            x,
+            start=start,
+            mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            logits_to_keep=logits_to_keep,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        return CausalLMOutput(
+            logits=logits,
+            past_key_values=cache if (use_cache or past_key_values is not None) else None,
+            hidden_states=hidden,
+            attentions=attentions,
+        )
+
+    def decode_step(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: ModelCache,
+        start: Start,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        backend: str | None = None,
+    ) -> Tensor:
+        """The forward of one decoding step, trusted: logits ``[B, L, V]`` of the last token.
+
+        ``generate`` calls it after checking its own inputs once; it runs eagerly, or
+        compiled over a :class:`~attnlab.cache.StaticKVCache` with ``start`` a 0-d long
+        tensor (fixed shapes, no host sync, no data-dependent Python branch: the
+        compiled graph is the same for every step).
+
+        Args:
+            input_ids: ``[B, L]`` new tokens (ids in range).
+            cache: the model's caches; the new keys go to slots ``start..start+L-1``.
+            start: slot of the first new token (int, or a 0-d long tensor).
+            position_ids: ``[B, L]`` or ``[1, L]`` positions (default: the slots).
+            attention_mask: ``[B, T]`` 1/0 over every slot the keys may hold (``T``
+                at least ``start + L``), or None when no row is padded.
+            backend: the attention backend, resolved beforehand (:meth:`decode_backend`;
+                a compiled step cannot consult the registry's context); default: ask the
+                registry once for this forward.
+        """
+        x = self.embed_tokens(input_ids)  # [B, L, D]
+        logits, _, _ = self._run(
+            x,
+            start=start,
+            mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            logits_to_keep=1,
+            output_attentions=False,
+            output_hidden_states=False,
+            backend=backend,
+        )
+        return logits
+
+    def decode_backend(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: ModelCache,
+        start: Start,
+        attention_mask: Tensor | None = None,
+    ) -> str:
+        """The backend the registry picks for :meth:`decode_step` with these arguments."""
+        n = input_ids.shape[1]
+        d = self.config.hidden_size
+        x = self.output_weight.new_empty((input_ids.shape[0], n, d))  # shape and dtype only
+        first = cache.layers[0] if cache.layers else None
+        assert first is None or isinstance(first, KVCache)
+        q_slots = start + torch.arange(n, device=x.device)[None]
+        pattern, is_causal, _, k_pos = self._pattern(first, attention_mask, start, n, q_slots)
+        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False))
+
+    def _backend_for(self, call: AttentionCall) -> str:
+        """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
+        name = str(self.layers[0].self_attention.backend) if len(self.layers) else "auto"
+        return _choose(call, name).chosen
+
+    def _run(
+        self,
+        x: Tensor,
+        *,
+        start: Start,
+        mask: Tensor | None,
+        position_ids: Tensor | None,
+        cache: ModelCache | None,
+        logits_to_keep: int,
+        output_attentions: bool,
+        output_hidden_states: bool,
+        backend: str | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
+        """The one forward, after validation: ``(logits, hidden states, attentions)``."""
+        n = x.shape[1]
+        device = x.device
+        q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
+        positions = q_slots if position_ids is None else position_ids
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        x = self.dropout(x)
-
-        attn_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
-        key_positions = None
-        if self.alibi is not None:
-            slots = k_slots if k_slots is not None else torch.arange(total, device=x.device)
-            key_positions = (
-                full_pos[:, slots.clamp(0, total - 1)] if full_pos is not None else slots
-            )
+        if self.training and self.config.hidden_dropout > 0:
+            x = self.dropout(x)
+        first = cache.layers[0] if cache is not None and cache.layers else None
+        if first is not None and not isinstance(first, KVCache):
+            raise TypeError(f"a decoder layer needs a KVCache, got {type(first).__name__}")
+        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots)
+        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+        call = self._attention_call(x, pattern, is_causal, s, output_attentions)
+        backend = self._backend_for(call) if backend is None else backend  # once per forward
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         layer_caches: Iterator[LayerCache | None] = (
@@ -268,12 +380,15 @@ class DecoderLM(nn.Module):
         for layer, layer_cache in zip(self.layers, layer_caches):
             x, w, _ = layer(
                 x,
-                attn_mask=attn_mask,
+                attn_mask=pattern,
                 is_causal=is_causal,
                 positions=positions,
-                key_positions=key_positions,
+                q_positions=q_pos,
+                k_positions=k_pos,
                 cache=cast(KVCache | None, layer_cache),
                 cache_start=start,
+                call=call,
+                backend=backend,
                 need_weights=output_attentions,
             )
             if output_attentions:
@@ -287,11 +402,69 @@ class DecoderLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
-        return CausalLMOutput(
-            logits=logits,
-            past_key_values=cache if (use_cache or past_key_values is not None) else None,
-            hidden_states=tuple(hidden) if output_hidden_states else None,
-            attentions=tuple(attentions) if output_attentions else None,
+        return (
+            logits,
+            tuple(hidden) if output_hidden_states else None,
+            tuple(attentions) if output_attentions else None,
+        )
+
+    def _pattern(
+        self, first: KVCache | None, mask: Tensor | None, start: Start, n: int, q_slots: Tensor
+    ) -> tuple[MaskPattern | None, bool, Tensor | None, Tensor | None]:
+        """``(pattern, is_causal, q slots, k slots)`` shared by every layer of one forward.
+
+        The pattern is ``causal() & sliding_window(W - 1) & padding(mask)`` with ALiBi as
+        a score modifier, evaluated on slots. Two shapes need no pattern at all: a
+        prompt with no cache, padding, window or bias (torch's causal kernel), and one
+        new token against a contiguous cache of every earlier slot (it sees them all).
+        """
+        window = self.config.sliding_window
+        plain = mask is None and window is None and self.alibi_slopes is None
+        contiguous = first is None or isinstance(first, DynamicKVCache)
+        if plain and contiguous and isinstance(start, int):
+            if start == 0:
+                return None, n > 1, None, None
+            if n == 1:
+                return None, False, None, None
+        if first is not None:
+            k_slots = first.key_slots(start, n, q_slots.device)  # [1, S]
+        else:
+            k_slots = torch.arange(q_slots.shape[-1] + int(start), device=q_slots.device)[None]
+        pattern: MaskPattern = causal() if window is None else sliding_window(window - 1)
+        if mask is not None:
+            pattern = pattern & padding(mask)
+        if self.alibi_slopes is not None:
+            pattern = pattern.with_scores(alibi(self.alibi_slopes))
+        return pattern, False, q_slots, k_slots
+
+    def _attention_call(
+        self,
+        x: Tensor,
+        pattern: MaskPattern | None,
+        is_causal: bool,
+        s: int,
+        need_weights: bool,
+    ) -> AttentionCall:
+        """The one :class:`AttentionCall` every self-attention layer of this forward shares."""
+        c = self.config
+        assert c.head_dim is not None and c.num_key_value_heads is not None
+        b, n = x.shape[:2]
+        training = self.training
+        return AttentionCall(
+            query_shape=(b, c.num_attention_heads, n, c.head_dim),
+            key_shape=(b, c.num_key_value_heads, s, c.head_dim),
+            value_shape=(b, c.num_key_value_heads, s, c.head_dim),
+            dtype=x.dtype,
+            device=x.device,
+            mask="none" if pattern is None else "pattern",
+            pattern=pattern,
+            is_causal=is_causal,
+            dropout_p=c.attention_dropout if training else 0.0,
+            enable_gqa=c.num_key_value_heads != c.num_attention_heads,
+            needs_grad=torch.is_grad_enabled()
+            and (x.requires_grad or self.output_weight.requires_grad),
+            return_weights=need_weights,
+            positions=pattern is not None,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -341,52 +514,14 @@ class DecoderLM(nn.Module):
         return None if bool(attention_mask.bool().all()) else attention_mask
 
     @staticmethod
-    def _positions(
-        position_ids: Tensor | None,
-        full_pos: Tensor | None,
-        b: int,
-        start: int,
-        n: int,
-        device: torch.device,
-    ) -> Tensor:
-        if position_ids is not None:
-            check_tensor("position_ids", position_ids)
-            pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
-            if pos.shape[-1] != n or pos.shape[0] not in (1, b):
-                raise ValueError(
-                    f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
-                )
-            return pos
-        if full_pos is not None:
-            return full_pos[:, start:]  # [B, L]
-        return torch.arange(start, start + n, device=device)[None]  # [1, L]
-
-    def _self_mask(
-        self,
-        cache: ModelCache | None,
-        mask: Tensor | None,
-        start: int,
-        n: int,
-        device: torch.device,
-    ) -> tuple[Tensor | None, bool, Tensor | None]:
-        """``(attn_mask, is_causal, key slots or None)`` shared by all layers."""
-        window = self.config.sliding_window
-        first = cache.layers[0] if cache is not None and cache.layers else None
-        if first is not None and not isinstance(first, KVCache):
-            raise TypeError(f"a decoder layer needs a KVCache, got {type(first).__name__}")
-        contiguous = first is None or isinstance(first, DynamicKVCache)
-        if mask is None and window is None and contiguous:
-            if start == 0:
-                return None, n > 1, None
-            if n == 1:
-                return None, False, None
-        k_slots = (
-            first.key_slots(start, n, device)[0]
-            if first is not None
-            else torch.arange(start + n, device=device)
-        )
-        q_slots = torch.arange(start, start + n, device=device)
-        return slot_mask(q_slots, k_slots, attention_mask=mask, window=window), False, k_slots
+    def _check_position_ids(position_ids: Tensor, b: int, n: int) -> Tensor:
+        check_tensor("position_ids", position_ids)
+        pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+        if pos.shape[-1] != n or pos.shape[0] not in (1, b):
+            raise ValueError(
+                f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
+            )
+        return pos
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
         """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""
