@@ -8,13 +8,16 @@ thread for an asyncio server; :mod:`attnlab.serving.openai_api` builds the HTTP 
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.engine import CompletionDelta, Engine, QueueFull, RequestOutput
 from attnlab.serving.params import ParamError, SamplingParams
+from attnlab.serving.server import BackgroundServer, load_engine
 
 __all__ = [
     "AsyncEngine",
+    "BackgroundServer",
     "CompletionDelta",
     "Engine",
     "ParamError",
     "QueueFull",
     "RequestOutput",
     "SamplingParams",
+    "load_engine",
 ]
