@@ -394,16 +394,19 @@ class Engine:
         rows = self._schedule()
         if not rows:
             return self._collect()
-        batch = self.pool.begin_step([(s.seq_id, n) for s, n in rows])
-        try:
-            logits = self.model(
-                batch.input_ids,
-                attention_mask=batch.attention_mask,
-                past_key_values=self.cache,
-                logits_to_keep=1,
-            ).logits[:, -1]  # [B, V]
-        finally:
-            self.pool.end_step()
+        logits = torch.empty(len(rows), self.vocab_size)
+        for group in self._groups(rows):
+            batch = self.pool.begin_step([(rows[r][0].seq_id, rows[r][1]) for r in group])
+            try:
+                out = self.model(
+                    batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    past_key_values=self.cache,
+                    logits_to_keep=1,
+                ).logits[:, -1]  # [b, V]
+            finally:
+                self.pool.end_step()
+            logits[group] = out.float()
         done = [
             (r, seq)
             for r, (seq, _n) in enumerate(rows)
@@ -421,6 +424,31 @@ class Engine:
             waiting=len(self.waiting),
         )
         return self._collect()
+
+    @staticmethod
+    def _groups(rows: list[tuple[_Seq, int]]) -> list[list[int]]:
+        """Split a step's rows into forwards whose padding stays small.
+
+        A forward pads every row to the longest row's new tokens, so the decode rows (one
+        token each) run together, and prefill chunks, longest first, join a forward only
+        while the padded size stays within 1.25x the tokens it holds.
+        """
+        decode = [r for r, (_, n) in enumerate(rows) if n == 1]
+        chunks = sorted((r for r, (_, n) in enumerate(rows) if n > 1), key=lambda r: -rows[r][1])
+        groups = [decode] if decode else []
+        current: list[int] = []
+        held = 0
+        for r in chunks:
+            n = rows[r][1]
+            width = rows[current[0]][1] if current else n
+            if current and (len(current) + 1) * width > 1.25 * (held + n):
+                groups.append(current)
+                current, held = [], 0
+            current.append(r)
+            held += n
+        if current:
+            groups.append(current)
+        return groups
 
     def _sample(self, logits: Tensor, done: list[tuple[int, _Seq]]) -> None:
         greedy = logits.argmax(dim=-1).tolist()
