@@ -183,10 +183,10 @@ def _model_name(server: BackgroundServer) -> str:
     return str(r.json()["data"][0]["id"])
 
 
-def test_small_load_all_streams_complete_and_blocks_return(
-    server: BackgroundServer, client: openai.OpenAI
-) -> None:
+def test_small_load_all_streams_complete_and_blocks_return(server: BackgroundServer) -> None:
     name = _model_name(server)
+    # fresh connections: none left idle by the other tests
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
     prompts = [f"class Wrapper{i}:" for i in range(8)]
     results: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -205,7 +205,8 @@ def test_small_load_all_streams_complete_and_blocks_return(
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors and len(results) == len(prompts)
+    assert not errors, [(e, e.__cause__) for e in errors]
+    assert len(results) == len(prompts)
     tok = server.async_engine.engine.tokenizer
     for i, p in enumerate(prompts):
         ref = [t for t in _offline(server, p, 8) if t != tok.eos_token_id]

@@ -79,5 +79,5 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
     return 0

@@ -65,8 +65,14 @@ class BackgroundServer:
 
         self.async_engine = AsyncEngine(engine)
         app = build_app(self.async_engine, model_name=model_name, api_key=api_key)
+        # a long keep-alive: a client must not reuse a connection the server is closing
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=75,
         )
         self.server = uvicorn.Server(config)
         self.max_seconds = max_seconds

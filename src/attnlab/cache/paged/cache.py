@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab.cache.kv_cache import KVCache, _check_kv
+from attnlab.cache.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from attnlab.cache.paged.pool import PagedKVPool, SeqId, StepBatch
@@ -66,7 +66,11 @@ class PagedKVCache(KVCache):
         return step
 
     def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
-        _check_kv(key, value)
+        if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                "key and value must be [batch, kv_heads, new_tokens, head_dim] with equal "
+                f"leading dims, got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
         b, h, n, d = key.shape
         step = self._step(b, start, n)
         kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
