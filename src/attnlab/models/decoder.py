@@ -122,6 +122,7 @@ class DecoderLM(nn.Module):
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
         self.config = config
+        self.backend = backend
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.embed_positions: nn.Module | None = None
@@ -338,8 +339,7 @@ class DecoderLM(nn.Module):
 
     def _backend_for(self, call: AttentionCall) -> str:
         """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
-        name = str(self.layers[0].self_attention.backend) if len(self.layers) else "auto"
-        return _choose(call, name).chosen
+        return _choose(call, self.backend).chosen
 
     def _run(
         self,
