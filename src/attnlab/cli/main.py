@@ -21,6 +21,8 @@ SUBCOMMANDS: list[str] = [
     "diagnose",
     "visualize",
     "backends",
+    "distill",
+    "experiment",
 ]
 
 
