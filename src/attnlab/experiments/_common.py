@@ -140,6 +140,7 @@ def train_model(
     progress: bool,
     warmup: int | None = None,
     data_obj: Any = None,
+    initialise: bool = True,
 ) -> tuple[Any, Any]:
     """Train ``model`` with attnlab's trainer on the data section ``data``.
 
@@ -163,12 +164,31 @@ def train_model(
             "export": False,
         }
     )
+    if initialise:
+        _initialise(model, seed)
     trainer = Trainer(cfg, model=model, data=data_obj)
     t0 = time.perf_counter()
     result = trainer.train()
     trainer.close()
     trainer.seconds = time.perf_counter() - t0
     return trainer, result
+
+
+@torch.no_grad()
+def _initialise(model: nn.Module, seed: int) -> None:
+    """GPT-2's initialisation for attention decoders (what ``attnlab train`` builds with);
+    for other models only the embeddings, keeping their mixers' own initialisation
+    (Mamba's ``dt`` bias and ``A``, RWKV's decays)."""
+    from attnlab.models import DecoderLM
+    from attnlab.train.build import init_weights
+
+    torch.manual_seed(seed)
+    if isinstance(model, DecoderLM):
+        init_weights(model, 0.02)
+        return
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
 
 
 @torch.no_grad()
