@@ -182,7 +182,7 @@ def _verdict(bpb: dict[str, dict[int, float]], lengths: list[int]) -> tuple[str,
         return "a run diverged (non-finite loss)", False
     parts = [f"{p}: x{g:.2f}" for p, g in sorted(growth.items(), key=lambda kv: kv[1])]
     flat = growth["alibi"] <= 1.1
-    worse = growth["sinusoidal"] > growth["alibi"] and growth["rope"] >= growth["alibi"] * 0.98
+    worse = growth["sinusoidal"] >= 1.1 * growth["alibi"] and growth["rope"] >= growth["alibi"]
     agrees = flat and worse
     text = (
         f"bits per byte at {longest // lengths[0]}x the training length over 1x: "
