@@ -396,7 +396,7 @@ def distill_sentence_encoder(
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss_val = float(loss)
+        loss_val = float(loss.detach())
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_val:.4f}")
