@@ -81,7 +81,7 @@ def mean_pool_kv(model: torch.nn.Module, groups: int) -> torch.nn.Module:
     """
     from attnlab.models import DecoderLM
 
-    cfg = model.config  # type: ignore[union-attr]
+    cfg: Any = model.config
     heads = cfg.num_attention_heads
     kv = cfg.num_key_value_heads or heads
     if heads % groups or groups > kv or kv % groups:
