@@ -23,7 +23,6 @@ SUBCOMMANDS: list[str] = [
     "backends",
     "serve",
     "distill",
-    "experiment",
 ]
 
 
