@@ -37,6 +37,7 @@ SUBCOMMANDS: list[str] = [
     "diagnose",
     "visualize",
     "backends",
+    "serve",
 ]
 
 EXIT_FAILURE = 1  # valid arguments, the work failed
