@@ -30,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from attnlab._validate import check_int, check_real
 from attnlab.analysis.arch import ArchSpec
 from attnlab.analysis.cost import estimate, human_bytes, human_flops
 
@@ -102,10 +103,10 @@ class SizingAdvice:
 
 
 def _positive(name: str, value: Any, *, integer: bool = False) -> None:
-    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok_type or not math.isfinite(value) or value <= 0:
-        kind = "int" if integer else "finite number"
-        raise ValueError(f"{name} must be a positive {kind}, got {value!r}")
+    if integer:
+        check_int(name, value, min_value=1)
+    else:
+        check_real(name, value, gt=0.0)
 
 
 def _round_to(x: float, m: int) -> int:

@@ -59,10 +59,12 @@ def add_parser(sub: Any) -> None:
     )
     size.add_argument("--hours", type=_amount, help="training time budget on this machine")
     size.add_argument("--tokens", type=_amount, help="training tokens available (e.g. 500M)")
-    size.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (default 32000)")
+    size.add_argument(
+        "--vocab-size", type=positive_int, default=32000, help="vocabulary (default 32000)"
+    )
     size.add_argument(
         "--extrapolation",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="inputs reach this many times the training length (chooses the positions)",
     )
@@ -104,7 +106,7 @@ def run_sizing(args: argparse.Namespace) -> int:
         throughput_gflops=args.gflops,
     )
     if args.json:
-        print(json.dumps(advice.to_dict(), indent=2, allow_nan=False))
+        print_json(advice.to_dict())
     else:
         print(advice.summary())
     return 0 if advice.fits else 1
