@@ -15,7 +15,6 @@ keys, ``D`` width, ``H``/``H_kv`` heads, ``E`` head dim, ``F`` feed-forward widt
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,21 +195,13 @@ def window_density(window: int, q_len: int, kv_len: int, q_offset: int) -> float
     """Fraction of (query, key) pairs a causal window of ``window`` keys keeps, in closed form.
 
     Query ``i`` sits at position ``p = q_offset + i`` and sees keys
-    ``max(0, p - window + 1) .. min(p, kv_len - 1)``. The count is piecewise linear in
-    ``p`` with breaks at ``window - 1``, ``kv_len - 1`` and ``kv_len + window - 1``, so each
-    piece sums as an arithmetic series: O(1), whatever the lengths.
+    ``max(0, p - window + 1) .. min(p, kv_len - 1)``: the band
+    :func:`~attnlab.functional.masks.counting.band_pairs` counts exactly, O(1) in the lengths.
     """
+    from attnlab.functional.masks.counting import band_pairs  # imported here: torch-free import
 
-    def seen(p: int) -> int:
-        return max(0, min(p, kv_len - 1) - max(0, p - window + 1) + 1)
-
-    lo, hi = q_offset, q_offset + q_len - 1
-    cuts = sorted({lo, hi + 1, *(c for c in (window, kv_len, kv_len + window) if lo < c <= hi)})
-    total = 0
-    for a, b1 in itertools.pairwise(cuts):
-        b = b1 - 1  # the piece is p in [a, b], linear there
-        total += (seen(a) + seen(b)) * (b - a + 1) // 2
-    return total / (q_len * kv_len)
+    pairs = band_pairs(window - 1, 0, q_offset, q_offset + q_len - 1, 0, kv_len - 1)
+    return pairs / (q_len * kv_len)
 
 
 def dynamic_slots(prefill: int, new: int, capacity: int) -> int:
@@ -226,7 +217,10 @@ def dynamic_slots(prefill: int, new: int, capacity: int) -> int:
 
 
 def causal_density(q_len: int, kv_len: int, q_offset: int) -> float:
-    return window_density(q_len + kv_len + q_offset + 1, q_len, kv_len, q_offset)
+    """Fraction of pairs a causal mask keeps (queries at ``q_offset ..``), in closed form."""
+    from attnlab.functional.masks.counting import FAR, band_pairs
+
+    return band_pairs(FAR, 0, q_offset, q_offset + q_len - 1, 0, kv_len - 1) / (q_len * kv_len)
 
 
 def traits_of(backend: str) -> BackendTraits:
@@ -278,27 +272,19 @@ def attention_work(
 def tile_pairs(sh: LayerShape, block_q: int, block_k: int) -> float:
     """(query, key) pairs per head a kernel with ``block_q x block_k`` tiles computes.
 
-    A tile is computed whole when the mask keeps any pair in it: for each query block,
-    the key blocks between its first row's lowest key and its last row's highest key.
-    O(L / block_q) steps, no tensors.
+    A tile is computed whole when the mask keeps any pair in it. In closed form for the
+    causal band and windows (:func:`~attnlab.functional.masks.counting.band_tile_pairs`):
+    O(1) in the length, exact, no tensors.
     """
+    from attnlab.functional.masks.counting import FAR, band_tile_pairs
+
     if not sh.causal and sh.window is None:
         return float(sh.lq * sh.s)
     # keys are stored at positions 0..S-1 except for a rolling cache, whose S keys end at
     # the last query: shift positions so that the last query sits at S - 1
     shift = min(0, sh.s - (sh.q_offset + sh.lq))
-    total = 0.0
-    for q0 in range(0, sh.lq, block_q):
-        q1 = min(sh.lq, q0 + block_q)
-        first, last = sh.q_offset + q0 + shift, sh.q_offset + q1 - 1 + shift
-        lo = max(0, first - sh.window + 1) if sh.window is not None else 0
-        hi = min(last, sh.s - 1)
-        if lo > hi:
-            continue
-        k0 = (lo // block_k) * block_k
-        k1 = min(sh.s, (hi // block_k + 1) * block_k)
-        total += (q1 - q0) * (k1 - k0)
-    return total
+    left = sh.window - 1 if sh.window is not None else FAR
+    return float(band_tile_pairs(left, 0, sh.q_offset + shift, sh.lq, sh.s, block_q, block_k))
 
 
 def layer_saved(

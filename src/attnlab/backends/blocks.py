@@ -27,10 +27,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional.masks import MaskPattern, causal, default_positions, full
+from attnlab.functional.masks.geometry import reduce_tiles
 from attnlab.functional.score_mods import ScoreMod, apply_score_mods, score_mods_backward
 
 __all__ = ["MaskSpec", "compute_dtype", "flatten_batch", "mask_spec", "weights_from_lse"]
@@ -156,9 +156,9 @@ class MaskSpec:
             ok = d if d.dtype == torch.bool else ~torch.isneginf(d)
             ok = ok.reshape(-1, ok.shape[-2], ok.shape[-1]).any(0)  # [L|1, S|1]
             if ok.shape[-2] > 1:
-                ok = _tile_any(ok.transpose(0, 1), block_q, nq).transpose(0, 1)  # [nq, S|1]
+                ok = reduce_tiles(ok.transpose(0, 1), block_q, nq, "any").transpose(0, 1)
             if ok.shape[-1] > 1:
-                ok = _tile_any(ok, block_k, nk)  # [nq|1, nk]
+                ok = reduce_tiles(ok, block_k, nk, "any")  # [nq|1, nk]
             needed = needed & ok.cpu()
         return needed, full
 
@@ -182,12 +182,6 @@ class MaskSpec:
         if self.dense is None or self.dense.dtype == torch.bool:
             return None
         return _slice_rows_cols(self.dense, q0, q1, k0, k1)
-
-
-def _tile_any(x: Tensor, block: int, n_tiles: int) -> Tensor:
-    """``[R, C]`` bool -> ``[R, n_tiles]``: any over tiles of ``block`` columns."""
-    x = F.pad(x, (0, n_tiles * block - x.shape[-1]), value=False)
-    return x.view(x.shape[0], n_tiles, block).any(-1)
 
 
 def check_blockwise_call(

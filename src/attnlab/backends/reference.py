@@ -6,7 +6,7 @@ from torch import Tensor
 
 from attnlab.backends.cost_model import Estimate, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import resolve_mask, sdpa_reference
+from attnlab.functional.attention import empty_attention, resolve_mask, sdpa_reference
 from attnlab.functional.masks import MaskPattern
 
 
@@ -29,6 +29,8 @@ def reference_attention(
     The pattern is evaluated at the call's positions (``q_positions`` ``[B|1, L]``,
     ``k_positions`` ``[B|1, S]``, ``-1`` = empty key; default ``arange``).
     """
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
     mods: tuple = ()
     if isinstance(attn_mask, MaskPattern):
         mods = attn_mask.score_mods

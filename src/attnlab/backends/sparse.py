@@ -39,7 +39,7 @@ from attnlab.backends.blocks import (
 )
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import repeat_kv
+from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.masks import MaskPattern, full
 from attnlab.functional.score_mods import apply_score_mods
 
@@ -165,6 +165,8 @@ def sparse_attention(
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("sparse", attn_mask, dropout_p, needs_pattern=True)
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
     spec = mask_spec(
         attn_mask,
         is_causal,

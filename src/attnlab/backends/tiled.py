@@ -40,7 +40,7 @@ from attnlab.backends.blocks import (
 )
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import repeat_kv
+from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.masks import MaskPattern
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "tiled_attention", "tiled_forward"]
@@ -280,6 +280,8 @@ def tiled_attention(
         ValueError: ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("tiled", attn_mask, dropout_p, needs_pattern=False)
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
     spec = mask_spec(
         attn_mask,
         is_causal,
