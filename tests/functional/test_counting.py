@@ -13,8 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnlab.counting import INT64_MAX, band_tile_pairs, floor_sum
 from attnlab.functional import masks as M
-from attnlab.functional.masks.counting import INT64_MAX, band_tile_pairs, floor_sum
 
 
 def _evaluated(pattern: M.MaskPattern, q_len: int, kv_len: int, q_offset: int) -> int:

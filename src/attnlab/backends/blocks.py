@@ -29,11 +29,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern, causal, default_positions, full
 from attnlab.functional.masks.geometry import reduce_tiles
 from attnlab.functional.score_mods import ScoreMod, apply_score_mods, score_mods_backward
 
-__all__ = ["MaskSpec", "compute_dtype", "flatten_batch", "mask_spec", "weights_from_lse"]
+__all__ = [
+    "MaskSpec",
+    "compute_dtype",
+    "flatten_batch",
+    "mask_spec",
+    "prologue",
+    "weights_from_lse",
+]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -182,6 +190,47 @@ class MaskSpec:
         if self.dense is None or self.dense.dtype == torch.bool:
             return None
         return _slice_rows_cols(self.dense, q0, q1, k0, k1)
+
+
+def prologue(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | MaskPattern | None,
+    is_causal: bool,
+    scale: float | None,
+    *,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    repeat_heads: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, MaskSpec, float]:
+    """What every block-wise backend does first, in one place.
+
+    Gathers the mask and positions (:func:`mask_spec`), flattens the batch dims
+    (``[B.., H, *, E] -> [N, H, *, E]``), casts to ``dtype`` (the compute dtype, when
+    given), repeats the key/value heads to the query heads (GQA), and resolves the
+    default scale ``1/sqrt(E)``.
+
+    Returns:
+        ``(q [N, H, L, E], k [N, H|H_kv, S, E], v [N, H|H_kv, S, Ev], spec, scale)``.
+    """
+    spec = mask_spec(
+        attn_mask,
+        is_causal,
+        tuple(query.shape),
+        key.shape[-2],
+        device=query.device,
+        q_positions=q_positions,
+        k_positions=k_positions,
+    )
+    q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if repeat_heads and q.shape[1] != k.shape[1]:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
+    return q, k, v, spec, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
 def check_blockwise_call(

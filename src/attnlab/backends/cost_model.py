@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends import cost_constants
 from attnlab.functional.masks import MaskPattern, causal
 
@@ -94,7 +95,7 @@ def lse_pass(call: AttentionCall) -> float:
         return 0.0
     table = cost_constants.CONSTANTS.get(call.device.type) or cost_constants.CONSTANTS["cpu"]
     overhead, per_unit = table["tiled"]["fwd"]
-    return overhead + units(call, computed_pairs(call, 256, 256)) * per_unit
+    return overhead + units(call, computed_pairs(call, *TRAITS["tiled"].tile())) * per_unit
 
 
 def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None:

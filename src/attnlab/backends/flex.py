@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import check_blockwise_call, flatten_batch, mask_spec, weights_from_lse
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
@@ -45,7 +46,7 @@ __all__ = ["BLOCK_SIZE", "COMPILE_SECONDS", "flex_attention", "is_compiled"]
 logger = logging.getLogger(__name__)
 
 #: FlexAttention's tile size (its default).
-BLOCK_SIZE = 128
+BLOCK_SIZE = TRAITS["flex"].tile()[0]
 #: What a first call for a new shape costs on this project's CPU (cold inductor cache).
 COMPILE_SECONDS = 15.0
 
@@ -278,12 +279,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 FLEX = register(
     Backend(
-        name="flex",
         fn=flex_attention,
         check=_check,
-        accepts_patterns=True,
         cost=_cost,
-        priority=20,
-        description="torch's FlexAttention, compiled, with the pattern's block mask",
+        **TRAITS["flex"].registry_fields(),
     )
 )

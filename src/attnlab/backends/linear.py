@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import compute_dtype, flatten_batch
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.attention import empty_attention, repeat_kv
@@ -174,12 +175,8 @@ def _check(call: AttentionCall) -> str | None:
 
 LINEAR = register(
     Backend(
-        name="linear",
         fn=linear_attention,
         check=_check,
-        exact=False,
-        accepts_patterns=True,
-        priority=90,
-        description="kernelised linear attention (elu+1 features), an approximation; by name only",
+        **TRAITS["linear"].registry_fields(),
     )
 )

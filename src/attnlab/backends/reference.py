@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.cost_model import Estimate, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.attention import empty_attention, resolve_mask, sdpa_reference
@@ -70,13 +71,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 REFERENCE = register(
     Backend(
-        name="reference",
         fn=reference_attention,
         check=_check,
-        accepts_patterns=True,
-        accepts_positions=True,
-        priority=1000,
-        description="the full score matrix in float32/float64; runs every call and returns weights",
         cost=_cost,
+        **TRAITS["reference"].registry_fields(),
     )
 )

@@ -142,6 +142,8 @@ class Explanation:
 
     chosen: str
     reasons: dict[str, str] = field(default_factory=dict)
+    #: Estimated seconds of each backend that can run the call (the ranking, as data).
+    estimates: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"backend: {self.chosen}"]
@@ -272,6 +274,7 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
         others = {n: "not considered: a backend was named" for n in available() if n != requested}
         return Explanation(requested, {requested: "named explicitly", **others})
     reasons: dict[str, str] = {}
+    estimates: dict[str, float] = {}
     runnable: list[tuple[float, int, str, Estimate | None]] = []
     for name in available():
         b = _REGISTRY[name]
@@ -283,6 +286,8 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
             reasons[name] = why
             continue
         est = b.cost(call) if b.cost is not None else None
+        if est is not None:
+            estimates[name] = est.seconds
         runnable.append((est.seconds if est else float("inf"), b.priority, name, est))
     if not runnable:  # the reference runs everything; only reached if it was replaced
         raise ValueError(f"no registered backend can run this call: {reasons}")
@@ -299,7 +304,8 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
         else:
             reasons[name] = f"{est.note}, slower than {chosen}"
     order = {n: i for i, n in enumerate(available())}
-    return Explanation(chosen, dict(sorted(reasons.items(), key=lambda kv: order[kv[0]])))
+    ranked = dict(sorted(estimates.items(), key=lambda kv: kv[1]))
+    return Explanation(chosen, dict(sorted(reasons.items(), key=lambda kv: order[kv[0]])), ranked)
 
 
 def _memoized(

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.cost_model import Estimate, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
 from attnlab.functional.attention import empty_attention, sdpa_reference
@@ -130,11 +131,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 SDPA = register(
     Backend(
-        name="sdpa",
         fn=sdpa_torch,
         check=_check,
-        priority=10,
-        description="torch's fused kernel (flash/memory-efficient/math, as torch picks)",
         cost=_cost,
+        **TRAITS["sdpa"].registry_fields(),
     )
 )

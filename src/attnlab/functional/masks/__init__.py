@@ -31,8 +31,8 @@ alignment, as FlashAttention >= 2.1).
 The package: :mod:`~attnlab.functional.masks.dense` (tensors),
 :mod:`~attnlab.functional.masks.algebra` (:class:`MaskPattern`, its evaluation and
 combinations), :mod:`~attnlab.functional.masks.patterns` (the patterns),
-:mod:`~attnlab.functional.masks.geometry` (tiles by position) and
-:mod:`~attnlab.functional.masks.counting` (closed-form counts for any length).
+:mod:`~attnlab.functional.masks.geometry` (tiles by position); their closed-form counts
+for any length use the torch-free :mod:`attnlab.counting`.
 """
 
 from attnlab.functional.masks.algebra import MaskMod, MaskPattern

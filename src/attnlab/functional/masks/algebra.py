@@ -5,7 +5,7 @@ FlexAttention's ``mask_mod`` (He et al., 2024). :meth:`MaskPattern.evaluate` is 
 function that evaluates it; ``to_dense``, the tile geometry and every backend use it.
 Counting (:meth:`MaskPattern.count`, :meth:`MaskPattern.density`,
 :meth:`MaskPattern.tile_pairs`) is in closed form where the pattern has one
-(:mod:`attnlab.functional.masks.counting`).
+(:mod:`attnlab.counting`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import counting
+from attnlab import counting
 from attnlab.functional.masks.dense import _check_len
 from attnlab.functional.masks.geometry import (
     _BlockRanges,
@@ -246,7 +246,7 @@ class MaskPattern:
         """Pairs per head a kernel with ``block_q x block_k`` tiles computes (tiles it cannot skip).
 
         In closed form for windows, causal, dilated windows and their intersections
-        (:func:`~attnlab.functional.masks.counting.band_tile_pairs`, any length); from
+        (:func:`~attnlab.counting.band_tile_pairs`, any length); from
         :meth:`block_mask` otherwise.
         """
         for name, n in (("q_len", q_len), ("kv_len", kv_len)):

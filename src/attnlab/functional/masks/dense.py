@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnlab.counting import INT64_MAX
 from attnlab.functional._checks import check_tensor
-from attnlab.functional.masks.counting import INT64_MAX
 
 __all__ = ["causal_mask", "combine", "lengths_mask", "padding_mask"]
 

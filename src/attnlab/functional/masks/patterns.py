@@ -2,7 +2,7 @@
 
 Each pattern gives its predicate (``mask_mod``), its tile geometry in closed form
 (``_block_mask``) and, where there is one, its count of attended pairs in closed form
-(``_count``, exact integers for any length: :mod:`attnlab.functional.masks.counting`).
+(``_count``, exact integers for any length: :mod:`attnlab.counting`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import counting
+from attnlab import counting
 from attnlab.functional.masks.algebra import MaskPattern
 from attnlab.functional.masks.dense import _check_len, padding_mask
 from attnlab.functional.masks.geometry import _BIG, _FAR, _BlockRanges, _window_tiles

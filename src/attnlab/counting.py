@@ -17,7 +17,10 @@ that skips empty ``block_q x block_k`` tiles computes, at lengths no tensor coul
 * patterns that carry data (documents, global tokens, padding) are counted in the size
   of that data (segments, indices, rows), whatever the sequence length.
 
-Lengths past int64 are refused by the patterns' length checks.
+Lengths past int64 are refused by the patterns' length checks. The module imports no
+torch (it sits outside ``functional/``, whose package imports torch), so that ``attnlab
+estimate`` answers without loading torch; the patterns of
+:mod:`attnlab.functional.masks` count through it.
 """
 
 from __future__ import annotations
