@@ -64,9 +64,9 @@ def add_parser(sub: Any) -> None:
 
 def _spec(args: argparse.Namespace) -> Any:
     from attnlab.analysis.arch import describe, preset
-    from attnlab.analysis.cost_recurrent import is_recurrent
-
     if args.config:
+        from attnlab.analysis.cost_recurrent import is_recurrent
+
         config = config_from_file(args.config)
         return config if is_recurrent(config) else describe(config)
     return preset(args.preset)
