@@ -64,6 +64,7 @@ def add_parser(sub: Any) -> None:
 
 def _spec(args: argparse.Namespace) -> Any:
     from attnlab.analysis.arch import describe, preset
+
     if args.config:
         from attnlab.analysis.cost_recurrent import is_recurrent
 
