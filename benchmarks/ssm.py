@@ -14,10 +14,12 @@ Three parts, each timed in one run, alternating between the contenders:
    and ``use_mambapy=True`` (the ``mambapy`` parallel scan).
 3. ``table``: per-token decode time and cache/state memory against context length, and
    a training step (forward + backward) against length, for a Llama-shaped Transformer,
-   Mamba, RWKV-4 and RetNet of about 10 M parameters each (same vocabulary). Recurrent
-   states are filled by a real prefill, fed in pieces of 512 tokens through the cache; the
-   Transformer's KV cache is filled with random keys and values of the context's length
-   (a decode step's cost depends on the cache's length, not its values).
+   Mamba, RWKV-4 and RetNet of about 10 M parameters each (same vocabulary). The
+   Transformer's KV cache is filled with random keys and values of the context's length,
+   and the recurrent states are allocated by a 16-token prompt and given the context's
+   length (a decode step's cost depends on the cache's length and shapes, not on its
+   values); ``--real-prefill`` runs the whole context through the recurrent models instead,
+   in pieces of 512 tokens (minutes more on a loaded machine).
 
 Usage::
 
@@ -73,9 +75,11 @@ def _fwd_bwd(fn: Callable[..., Any], leaves: list[torch.Tensor]) -> Callable[[],
 # ---------------------------------------------------------------------- part 1: scans
 
 
-def part_scan(rounds: int, length: int = 4096) -> tuple[list[str], dict[str, float]]:
+def part_scan(
+    rounds: int, length: int = 4096, channels: int = 128
+) -> tuple[list[str], dict[str, float]]:
     g = torch.Generator().manual_seed(0)
-    b, d, n = 1, 512, 16
+    b, d, n = 1, channels, 16
     u = torch.randn(b, length, d, generator=g)
     delta = torch.randn(b, length, d, generator=g) - 2
     A = -torch.rand(d, n, generator=g)
@@ -243,7 +247,9 @@ def _cache_bytes(cache: Any) -> int:
     return total
 
 
-def part_table(contexts: list[int], lengths: list[int], steps: int) -> tuple[list[str], dict]:
+def part_table(
+    contexts: list[int], lengths: list[int], steps: int, real_prefill: bool = False
+) -> tuple[list[str], dict]:
     models = {k: m.eval() for k, m in table_models().items()}
     params = {k: m.num_parameters() for k, m in models.items()}
     decode: dict[str, dict[int, float]] = {k: {} for k in models}
@@ -252,13 +258,20 @@ def part_table(contexts: list[int], lengths: list[int], steps: int) -> tuple[lis
     recurrent_caches = {k: m.new_cache() for k, m in models.items() if not isinstance(m, DecoderLM)}
     filled = 0
     with torch.no_grad():
+        if not real_prefill:  # allocate the states with a short prompt; the length is set below
+            for k, cache in recurrent_caches.items():
+                models[k](torch.randint(0, VOCAB, (1, 16)), past_key_values=cache)
         for ctx in contexts:
-            # advance the recurrent states to ``ctx`` tokens, 512 at a time
-            while filled < ctx:
-                piece = torch.randint(0, VOCAB, (1, min(512, ctx - filled)))
-                for k, cache in recurrent_caches.items():
-                    models[k](piece, past_key_values=cache)
-                filled += piece.shape[1]
+            if real_prefill:  # advance the recurrent states to ``ctx`` tokens, 512 at a time
+                while filled < ctx:
+                    piece = torch.randint(0, VOCAB, (1, min(512, ctx - filled)))
+                    for k, cache in recurrent_caches.items():
+                        models[k](piece, past_key_values=cache)
+                    filled += piece.shape[1]
+            else:
+                for cache in recurrent_caches.values():
+                    for layer in cache.layers:
+                        layer.length = ctx
             caches = {
                 k: (
                     _kv_cache_at(m, ctx)
@@ -375,6 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument(
+        "--real-prefill",
+        action="store_true",
+        help="fill recurrent states by running the context (default: a 16-token prompt, then "
+        "the state's length set to the context: its size and a step's cost do not depend on it)",
+    )
+    p.add_argument(
+        "--scan-channels", type=int, default=128, help="Mamba scan channels D (part scan)"
+    )
     p.add_argument("--update-docs", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -382,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[str] = []
     data: dict[str, Any] = {}
     if "scan" in args.parts:
-        lines, _ = part_scan(args.rounds)
+        lines, _ = part_scan(args.rounds, channels=args.scan_channels)
         sections += ["### Chunked vs sequential scans", "", *lines, ""]
         print("\n".join(lines), flush=True)
     if "hf" in args.parts:
@@ -390,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["### Mamba against transformers", "", *lines, ""]
         print("\n".join(lines), flush=True)
     if "table" in args.parts:
-        lines, data = part_table(args.contexts, args.lengths, args.decode_steps)
+        lines, data = part_table(args.contexts, args.lengths, args.decode_steps, args.real_prefill)
         sections += ["### The complexity table, measured", "", *lines, ""]
         print("\n".join(lines), flush=True)
         if args.update_docs:
