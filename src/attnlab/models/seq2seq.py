@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab.cache.base import ModelCache
 from attnlab.cache.kv_cache import DynamicKVCache
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_binary_mask, check_token_ids
 from attnlab.functional.masks import MaskPattern, causal, full, padding, padding_mask
 from attnlab.models.decoder import make_norm
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -151,11 +151,6 @@ class Seq2SeqLM(nn.Module):
         )
 
     def _embed(self, ids: Tensor, positions: Tensor) -> Tensor:
-        check_tensor("input_ids", ids)
-        if ids.dim() != 2 or ids.dtype.is_floating_point:
-            raise ValueError(
-                f"token ids must be integer (batch, seq_len), got {ids.dtype} {tuple(ids.shape)}"
-            )
         x = self.shared(ids)  # [B, L, D]
         if self.config.scale_embeddings:
             x = x * math.sqrt(self.config.d_model)
@@ -176,6 +171,7 @@ class Seq2SeqLM(nn.Module):
     def _encode(
         self, input_ids: Tensor, attention_mask: Tensor | None, output_attentions: bool
     ) -> tuple[Tensor, list[Tensor]]:
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
         s = input_ids.shape[-1]
         x = self._embed(input_ids, torch.arange(s, device=input_ids.device)[None])
         pad = self._key_padding(attention_mask, input_ids.shape[0], s)
@@ -197,13 +193,8 @@ class Seq2SeqLM(nn.Module):
         """``padding(attention_mask)`` over the ``s`` encoder keys, or None without padding."""
         if attention_mask is None:
             return None
-        check_tensor("attention_mask", attention_mask)
-        if tuple(attention_mask.shape) != (b, s):
-            raise ValueError(
-                f"attention_mask must be (batch, encoder_len) = {(b, s)}, got "
-                f"{tuple(attention_mask.shape)}"
-            )
-        keep = padding_mask(attention_mask)  # validates 1/0
+        check_binary_mask("attention_mask", attention_mask, (b, s))
+        keep = padding_mask(attention_mask)  # [B, 1, 1, S]
         return None if bool(keep.all()) else padding(attention_mask)
 
     def forward(
@@ -243,6 +234,7 @@ class Seq2SeqLM(nn.Module):
             )
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids is required")
+        check_token_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
         b, n = decoder_input_ids.shape[0], decoder_input_ids.shape[-1]
         if encoder_outputs.shape[0] != b:
             raise ValueError(
@@ -257,14 +249,8 @@ class Seq2SeqLM(nn.Module):
         device = decoder_input_ids.device
         positions = torch.arange(start, start + n, device=device)[None]  # [1, L]
         x = self._embed(decoder_input_ids, positions)
-        if decoder_attention_mask is not None and tuple(decoder_attention_mask.shape) != (
-            b,
-            start + n,
-        ):
-            raise ValueError(
-                f"decoder_attention_mask must be (batch, cached + new) = {(b, start + n)}, "
-                f"got {tuple(decoder_attention_mask.shape)}"
-            )
+        if decoder_attention_mask is not None:
+            check_binary_mask("decoder_attention_mask", decoder_attention_mask, (b, start + n))
         # The decoder's slots are 0..T-1 whatever its cache holds: keys at arange(T).
         pattern: MaskPattern = causal()
         if decoder_attention_mask is not None:
