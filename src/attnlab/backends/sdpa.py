@@ -48,7 +48,11 @@ def sdpa_torch(
     if L == 0 or S == 0:
         return empty_attention(query, key, value, return_weights=return_weights)
     acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else None
-    if not math.isfinite(float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))):
+    # (skipped inside a compiled decode step: no host sync there; its caller checks the
+    # logits of every step instead)
+    if not torch.compiler.is_compiling() and not math.isfinite(
+        float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))
+    ):
         # torch's kernels do not propagate a NaN in the query or key at some shapes (small
         # lengths and head dims), and propagate it from masked keys at others: non-finite
         # inputs take the reference math, which every backend agrees with. One reduction

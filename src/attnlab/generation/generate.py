@@ -159,7 +159,8 @@ def stream(
         use_cache=True,
         logits_to_keep=1,
     ).logits
-    step_fn: Any = compiled_decode_step(model) if compile else model.decode_step
+    # models without a trusted decode step (recurrent, encoder-decoder) run their forward
+    step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
     fast = fast_step_for(model, cache) if fast_path and not compile else None
     backend: str | None = None
     for step in range(max_new_tokens):
@@ -192,7 +193,7 @@ def stream(
         elif fast is not None:
             mask_now = full_mask[:, : slot + 1] if full_mask is not None else None
             logits = fast(tok[:, None], cache=cache, attention_mask=mask_now, position_ids=next_pos)
-        else:
+        elif step_fn is not None:
             logits = step_fn(
                 tok[:, None],
                 cache=cache,
@@ -200,6 +201,15 @@ def stream(
                 position_ids=next_pos,
                 attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
             )
+        else:
+            logits = model(
+                tok[:, None],
+                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
         if next_pos is not None:
             next_pos = next_pos + 1
 
