@@ -29,7 +29,9 @@ from attnlab.cache.kv_cache import (
     StaticKVCache,
 )
 from attnlab.functional._checks import check_tensor
+from attnlab.functional.losses import causal_lm_loss
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
+from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.modules.attention import MultiHeadAttention
@@ -191,6 +193,7 @@ class DecoderLM(nn.Module):
         output_hidden_states: bool = False,
         inputs_embeds: Tensor | None = None,
         logits_to_keep: int = 0,
+        labels: Tensor | None = None,
     ) -> CausalLMOutput:
         """Next-token logits for ``L`` new tokens, after the cached ones.
 
@@ -207,6 +210,9 @@ class DecoderLM(nn.Module):
             output_hidden_states: return the embeddings and every layer's output.
             inputs_embeds: ``[B, L, D]`` instead of ``input_ids``.
             logits_to_keep: compute logits for the last ``n`` tokens only (0 = all).
+            labels: ``[B, L]`` target ids (usually ``input_ids``; ``-100`` = ignored);
+                the output's ``loss`` is the next-token cross-entropy, shifted as
+                transformers shifts it.
 
         Returns:
             :class:`CausalLMOutput`.
@@ -243,8 +249,11 @@ class DecoderLM(nn.Module):
         layer_caches: Iterator[KVCache | None] = (
             iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
         )
+        ckpt = checkpointing(self, cached=cache is not None)
         for layer, layer_cache in zip(self.layers, layer_caches):
-            x, w, _ = layer(
+            x, w, _ = call_layer(
+                layer,
+                ckpt,
                 x,
                 attn_mask=attn_mask,
                 is_causal=is_causal,
@@ -267,6 +276,7 @@ class DecoderLM(nn.Module):
         logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
         return CausalLMOutput(
             logits=logits,
+            loss=causal_lm_loss(logits, labels) if labels is not None else None,
             past_key_values=cache if (use_cache or past_key_values is not None) else None,
             hidden_states=tuple(hidden) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,

@@ -56,6 +56,8 @@ class DecoderConfig(ConfigBase):
         attention_dropout: dropout on attention weights.
         hidden_dropout: dropout on embeddings and sublayer outputs.
         pad_token_id, bos_token_id, eos_token_id: special token ids (or None).
+        gradient_checkpointing: recompute each layer in the backward instead of keeping
+            its activations (training only; see :mod:`attnlab.models._checkpoint`).
     """
 
     vocab_size: int = 32000
@@ -85,6 +87,7 @@ class DecoderConfig(ConfigBase):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in (
