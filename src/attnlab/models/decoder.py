@@ -30,6 +30,7 @@ from attnlab.cache.kv_cache import (
 )
 from attnlab.functional._checks import check_tensor
 from attnlab.functional.losses import causal_lm_loss
+from attnlab.functional.masks import MaskPattern, causal, sliding_window
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
@@ -185,7 +186,7 @@ class DecoderLM(nn.Module):
     def forward(
         self,
         input_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
+        attention_mask: Tensor | MaskPattern | None = None,
         position_ids: Tensor | None = None,
         past_key_values: ModelCache | None = None,
         use_cache: bool = False,
@@ -200,7 +201,9 @@ class DecoderLM(nn.Module):
         Args:
             input_ids: ``[B, L]`` token ids (or ``inputs_embeds [B, L, D]``).
             attention_mask: ``[B, T]`` of 1/0 over cached + new tokens (``T = cached + L``);
-                left padding is supported.
+                left padding is supported. Without a cache, also a pattern that the
+                causal mask (and the sliding window) is combined with, e.g.
+                ``document(doc_ids)`` for packed training rows.
             position_ids: ``[B, L]`` positions; default from ``attention_mask``
                 (``cumsum - 1``) or ``cached .. cached+L-1``.
             past_key_values: a :class:`ModelCache` (from :meth:`new_cache` or a previous
@@ -223,12 +226,16 @@ class DecoderLM(nn.Module):
         """
         x = self._embed_tokens(input_ids, inputs_embeds)  # [B, L, D]
         b, n = x.shape[:2]
+        pattern = attention_mask if isinstance(attention_mask, MaskPattern) else None
+        if pattern is not None and (past_key_values is not None or use_cache):
+            raise ValueError("a pattern attention_mask is for uncached forwards (no cache)")
+        pad_mask = attention_mask if isinstance(attention_mask, Tensor) else None
         cache = past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
         total = start + n
-        mask = self._check_mask(attention_mask, b, total)
+        mask = self._check_mask(pad_mask, b, total)
         full_pos = positions_from_mask(mask) if mask is not None else None  # [B, T]
         positions = self._positions(position_ids, full_pos, b, start, n, x.device)
         if self.embed_positions is not None:
@@ -237,7 +244,13 @@ class DecoderLM(nn.Module):
             x = self.embed_norm(x)
         x = self.dropout(x)
 
-        attn_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
+        self_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
+        attn_mask: Tensor | MaskPattern | None = self_mask
+        if pattern is not None:
+            window = self.config.sliding_window
+            combined = causal() & pattern
+            attn_mask = combined & sliding_window(window - 1) if window is not None else combined
+            is_causal = False
         key_positions = None
         if self.alibi is not None:
             slots = k_slots if k_slots is not None else torch.arange(total, device=x.device)
