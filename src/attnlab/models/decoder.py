@@ -229,7 +229,7 @@ class DecoderLM(nn.Module):
         pattern = attention_mask if isinstance(attention_mask, MaskPattern) else None
         if pattern is not None and (past_key_values is not None or use_cache):
             raise ValueError("a pattern attention_mask is for uncached forwards (no cache)")
-        pad_mask = attention_mask if isinstance(attention_mask, Tensor) else None
+        pad_mask = None if isinstance(attention_mask, MaskPattern) else attention_mask
         cache = past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
