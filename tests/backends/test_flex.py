@@ -41,7 +41,7 @@ def _torch_flex_is_sound() -> bool:
     from torch.nn.attention.flex_attention import flex_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
     out = torch.compile(flex_attention, dynamic=False)(q, k, v)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     return bool(torch.allclose(out, ref, atol=1e-4, rtol=1e-4))

@@ -226,6 +226,9 @@ class TrainConfig:
         save_every: save a checkpoint every this many steps (0 = at the end only).
         out_dir: where metrics, the loss curve, checkpoints and the final model go.
         progress: show a progress bar (tqdm) on the terminal.
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
+            for a single process; under torchrun each process takes its ``LOCAL_RANK``'s GPU
+            with NCCL, or the CPU with gloo.
         export: at the end, save the model (and tokenizer) to ``out_dir/model``, a folder
             ``attnlab generate --model`` loads.
     """
@@ -246,6 +249,7 @@ class TrainConfig:
     save_every: int = 0
     out_dir: str = "runs/train"
     progress: bool = True
+    device: str = "auto"
     export: bool = True
 
     def __post_init__(self) -> None:
@@ -266,6 +270,12 @@ class TrainConfig:
         for name in ("compile", "progress", "export"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ValueError(f"out_dir must be a non-empty path, got {self.out_dir!r}")
 

@@ -60,14 +60,22 @@ class DistContext:
             self.owns_group = False
 
 
-def setup_distributed(parallel: ParallelConfig) -> DistContext:
+def setup_distributed(parallel: ParallelConfig, device: str = "auto") -> DistContext:
     """Join the process group when launched by ``torchrun`` (or one is already set up).
 
-    A single process without ``torchrun`` gets ``strategy="none"``: no group, no wrapper.
+    A single process without ``torchrun`` gets ``strategy="none"``: no group, no wrapper,
+    on ``device`` (``"auto"``: CUDA when available).
+
+    Raises:
+        ValueError: a CUDA device asked for where there is none.
     """
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if not dist.is_initialized() and not launched:
-        return DistContext()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here; use 'cpu'")
+        return DistContext(device=torch.device(device))
     owns = False
     if not dist.is_initialized():
         backend = parallel.backend

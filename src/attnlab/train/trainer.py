@@ -89,7 +89,7 @@ class Trainer:
     ) -> None:
         self.config = config
         self.kind = config.model_kind if config.model_kind != "custom" else "decoder"
-        self.ctx: DistContext = setup_distributed(config.parallel)
+        self.ctx: DistContext = setup_distributed(config.parallel, config.device)
         w = self.ctx.world_size
         if config.batch_size % w:
             raise ValueError(
