@@ -71,11 +71,12 @@ def setup_distributed(parallel: ParallelConfig, device: str = "auto") -> DistCon
     """
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if not dist.is_initialized() and not launched:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available here; use 'cpu'")
-        return DistContext(device=torch.device(device))
+        name = device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available here; use 'cpu'")
+        return DistContext(device=torch.device(name))
     owns = False
     if not dist.is_initialized():
         backend = parallel.backend
@@ -83,16 +84,16 @@ def setup_distributed(parallel: ParallelConfig, device: str = "auto") -> DistCon
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)
         owns = True
-    device = torch.device("cpu")
+    where = torch.device("cpu")
     if dist.get_backend() == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+        where = torch.device("cuda", local)
     strategy = "fsdp" if parallel.strategy == "fsdp" else "ddp"
     return DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        device=device,
+        device=where,
         strategy=strategy,
         owns_group=owns,
     )
@@ -101,7 +102,7 @@ def setup_distributed(parallel: ParallelConfig, device: str = "auto") -> DistCon
 def _layer_lists(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: members of the model's ModuleLists.
 
-    None when blocks share a parameter (T5's relative bias is shared by a stack's
+    Empty when blocks share a parameter (T5's relative bias is shared by a stack's
     layers): a parameter belongs to one FSDP unit, so such a model is sharded as a whole.
     """
     blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]

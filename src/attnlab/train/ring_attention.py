@@ -129,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
             if not (causal and src > rank):
                 spec = mask_spec(None, causal and src == rank, shape, msg.shape[2])
                 k_s, v_s = msg[..., :e], msg[..., e : e + ev]
-                dq_s, dk_s, dv_s = _tiled_backward(
+                dq_s, dk_s, dv_s, _ = _tiled_backward(
                     qc, k_s, v_s, out, lse, do, spec, scale, BLOCK_Q, BLOCK_K
                 )
                 dq += dq_s
