@@ -36,12 +36,18 @@ class CausalLMOutput:
         past_key_values: the :class:`~attnlab.cache.ModelCache` when ``use_cache=True``.
         hidden_states: embeddings output and every layer's output, when asked for.
         attentions: one ``[B, H, L, S]`` tensor per layer, when ``output_attentions=True``.
+        router_logits: one ``[B * L, E]`` tensor per MoE layer, when
+            ``output_router_logits=True``.
+        aux_loss: the load-balancing loss over ``router_logits`` (unscaled, as
+            transformers returns it), when ``output_router_logits=True``.
     """
 
     logits: Tensor
     past_key_values: Any = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+    router_logits: tuple[Tensor, ...] | None = None
+    aux_loss: Tensor | None = None
 
 
 @dataclass

@@ -274,7 +274,7 @@ class Seq2SeqLM(nn.Module):
             else iter([None] * n_layers(self))
         )
         for layer, lc, cc in zip(self.decoder_layers, layer_caches, cross_caches):
-            x, sw, cw = layer(
+            x, sw, cw, _ = layer(
                 x,
                 attn_mask=self_mask,
                 is_causal=is_causal,
