@@ -57,6 +57,8 @@ class DecoderConfig(ConfigBase):
         attention_dropout: dropout on attention weights.
         hidden_dropout: dropout on embeddings and sublayer outputs.
         pad_token_id, bos_token_id, eos_token_id: special token ids (or None).
+        qk_norm: an RMSNorm over the whole query and key projections, before RoPE
+            (OLMoE, OLMo 2).
         layers: the per-layer layout, one :class:`LayerSpec` per layer (mixer and
             feed-forward: dense, mixture of experts or none); None means every layer is
             attention + dense feed-forward. Dicts (from JSON) are accepted.
@@ -89,6 +91,7 @@ class DecoderConfig(ConfigBase):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    qk_norm: bool = False
     layers: tuple[LayerSpec, ...] | None = None
 
     def __post_init__(self) -> None:

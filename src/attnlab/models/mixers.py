@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from attnlab.modules.attention import MultiHeadAttention
+from attnlab.modules.norms import RMSNorm
 
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
@@ -87,6 +88,11 @@ def build_mixer(name: str, config: DecoderConfig, parts: MixerParts) -> nn.Modul
 
 
 def _attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    assert config.head_dim is not None and config.num_key_value_heads is not None
+    q_norm = k_norm = None
+    if config.qk_norm:
+        q_norm = RMSNorm(config.num_attention_heads * config.head_dim, eps=config.norm_eps)
+        k_norm = RMSNorm(config.num_key_value_heads * config.head_dim, eps=config.norm_eps)
     return MultiHeadAttention(
         embed_dim=config.hidden_size,
         num_heads=config.num_attention_heads,
@@ -98,6 +104,8 @@ def _attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
         backend=parts.backend,
         rotary=parts.rotary,
         score_bias=parts.score_bias,
+        q_norm=q_norm,
+        k_norm=k_norm,
     )
 
 
