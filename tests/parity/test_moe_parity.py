@@ -113,3 +113,15 @@ def test_to_hf_round_trip(pair: tuple[Any, DecoderLM]) -> None:
     for k, v in back.state_dict().items():
         torch.testing.assert_close(v, theirs[k], atol=0, rtol=0, msg=k)
     assert any(isinstance(layer.feed_forward, MoEBlock) for layer in ours.layers)
+
+
+def test_from_a_saved_folder_with_per_expert_tensors(
+    pair: tuple[Any, DecoderLM], tmp_path: Any
+) -> None:
+    # transformers writes checkpoints with one tensor per expert (the hub's layout)
+    hf, ours = pair
+    hf.save_pretrained(tmp_path)
+    loaded = attnlab.from_hf(tmp_path)
+    mine = ours.state_dict()
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, mine[k], atol=0, rtol=0, msg=k)

@@ -54,7 +54,6 @@ from attnlab.analysis.cost_layers import (
     window_density,
 )
 from attnlab.analysis.moe_cost import active_parameter_count, all_to_all_bytes
-from attnlab.functional._checks import check_positive_int
 
 __all__ = [
     "BACKEND_TRAITS",
@@ -379,10 +378,10 @@ def estimate(
         ("batch_size", batch_size),
         ("seq_len", seq_len),
         ("new_tokens", new_tokens),
+        ("expert_parallel", expert_parallel),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    check_positive_int("expert_parallel", expert_parallel)
     if mode not in ("inference", "training", "decode"):
         raise ValueError(f"mode must be 'inference', 'training' or 'decode', got {mode!r}")
     if optimizer not in (None, "adamw", "adam", "sgd", "momentum"):

@@ -17,9 +17,11 @@ the layout of :class:`~attnlab.modules.experts.Experts`, so weights map one to o
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from attnlab.interop.hf import Converter, register_converter, require_transformers
 from attnlab.interop.llama import (
@@ -268,6 +270,37 @@ def olmoe_to_hf(model: nn.Module) -> nn.Module:
     return tf.OlmoeForCausalLM(cfg)
 
 
+_PER_EXPERT = re.compile(
+    r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<e>\d+)\."
+    r"(?P<w>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down"}
+_ROLE["down_proj"] = "down"
+
+
+def fuse_experts(weights: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:
+    """Checkpoints on disk keep one tensor per expert (Mixtral's ``block_sparse_moe.experts.
+    {e}.w1/w3/w2``, Qwen2-MoE's and OLMoE's ``mlp.experts.{e}.gate_proj/up_proj/down_proj``);
+    transformers 5 and attnlab hold them batched. Stack them into ``mlp.experts.gate_up_proj
+    [E, 2F, D]`` (gate rows, then up rows) and ``mlp.experts.down_proj [E, D, F]``, and name
+    Mixtral's router ``mlp.gate``; then drop a tied head's copy."""
+    out: dict[str, Tensor] = {}
+    grouped: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for key, t in weights.items():
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            out[key.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+            continue
+        grouped.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[_ROLE[m["w"]]] = t
+    for layer, experts in grouped.items():
+        order = [experts[e] for e in sorted(experts)]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w["gate"], w["up"]]) for w in order]
+        )
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([w["down"] for w in order])
+    return drop_tied_head(out, config)
+
+
 def _kind(model: Any) -> str | None:
     """Which of the three a DecoderLM with MoE layers looks like."""
     if not isinstance(model, DecoderLM) or not model.config.moe_layers:
@@ -290,7 +323,7 @@ def _converter(model_type: str, hf_class: str, config_from_hf: Any, to_hf: Any) 
             build=DecoderLM,
             key_map=key_map,
             to_hf_model=to_hf,
-            weights_from_hf=drop_tied_head,
+            weights_from_hf=fuse_experts,
             weights_to_hf=add_tied_head,
             accepts=lambda m: _kind(m) == model_type,
         )
