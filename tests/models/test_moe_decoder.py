@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional.routing import load_balancing_loss
+from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.models import mixers
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
@@ -164,3 +164,21 @@ def test_a_registered_mixer_is_built_without_a_decoder_branch() -> None:
         mixers._MIXERS.pop("shift")
     with pytest.raises(ValueError, match="unknown mixer 'shift'"):
         mixers.get_mixer("shift")
+
+
+def test_router_loss_weights_both_losses() -> None:
+    moe = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        intermediate_size=24,
+        router_aux_loss_coef=0.01,
+        router_z_loss_coef=0.001,
+    )
+    m = _model(layers=(LayerSpec(ffn="moe", moe=moe),) * 3)
+    out = m(torch.randint(0, 64, (2, 5)), output_router_logits=True)
+    assert out.router_logits is not None and out.aux_loss is not None
+    expect = 0.01 * out.aux_loss + 0.001 * router_z_loss(out.router_logits)
+    torch.testing.assert_close(m.router_loss(out.router_logits), expect)
+    expect.backward()  # differentiable: reaches the router weights
+    block = m.layers[0].feed_forward
+    assert isinstance(block, MoEBlock) and block.router.weight.grad is not None

@@ -29,7 +29,7 @@ from attnlab.cache.kv_cache import (
     StaticKVCache,
 )
 from attnlab.functional._checks import check_tensor
-from attnlab.functional.routing import load_balancing_loss
+from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MoEConfig
@@ -334,6 +334,26 @@ class DecoderLM(nn.Module):
         )
 
     # ------------------------------------------------------------------ pieces
+
+    def router_loss(
+        self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None = None
+    ) -> Tensor:
+        """The routers' training loss to add to the language-model loss:
+        ``router_aux_loss_coef * load_balancing + router_z_loss_coef * z_loss`` (Fedus et
+        al., 2021; Zoph et al., 2022), with the first MoE layer's coefficients.
+
+        Args:
+            router_logits: ``output.router_logits`` (``output_router_logits=True``).
+            attention_mask: ``[B, L]`` 1/0 over the same tokens, padding left out.
+        """
+        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        assert moe is not None
+        loss = moe.router_aux_loss_coef * load_balancing_loss(
+            router_logits, moe.num_experts, moe.top_k, attention_mask
+        )
+        if moe.router_z_loss_coef:
+            loss = loss + moe.router_z_loss_coef * router_z_loss(router_logits, attention_mask)
+        return loss
 
     def _aux_loss(
         self, router_logits: list[Tensor], attention_mask: Tensor | None, b: int, n: int
