@@ -12,9 +12,19 @@ attached to a mask pattern: ``masks.causal().with_scores(alibi(slopes))``.
   extrapolation").
 * :func:`softcap`: logit soft-capping ``cap * tanh(s / cap)`` (Bello et al., 2016,
   "Neural combinatorial optimization with reinforcement learning"; used by Gemma 2).
+* :func:`t5_bias`: T5's learned relative-position bias, one scalar per (bucket, head)
+  looked up from the distance ``kv_idx - q_idx`` (Raffel et al., 2020, "Exploring the
+  limits of transfer learning with a unified text-to-text transformer", sec. 2.1).
 
-Each modifier also gives its derivative with respect to the score, which the
-``tiled`` backend's hand-written backward needs.
+The indices are positions (slots), not array indices: a backend passes the call's
+``q_positions``/``k_positions`` (see ``docs/contracts.md``), so a bias by distance is
+right in cached decoding and for rows of different lengths. ALiBi on slots equals
+BLOOM's ALiBi on ``cumsum(mask) - 1`` positions: the two differ by a constant per
+query row, which the softmax cancels.
+
+Each modifier also gives its derivative with respect to the score, and a learned one
+the gradient of its parameters (:meth:`ScoreMod.parameter_grads`), which the
+``tiled`` backend's hand-written backward needs (:func:`score_mods_backward`).
 """
 
 from __future__ import annotations
@@ -24,9 +34,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from attnlab.functional.positions import alibi_slopes
+from attnlab.functional.positions import alibi_slopes, t5_relative_position_bucket
 
-__all__ = ["ALiBi", "ScoreMod", "SoftCap", "alibi", "alibi_slopes", "softcap"]
+__all__ = [
+    "ALiBi",
+    "ScoreMod",
+    "SoftCap",
+    "T5Bias",
+    "alibi",
+    "alibi_slopes",
+    "apply_score_mods",
+    "score_mods_backward",
+    "softcap",
+    "t5_bias",
+]
 
 
 class ScoreMod:
@@ -48,6 +69,16 @@ class ScoreMod:
 
     def check_heads(self, num_heads: int) -> None:
         """Raise ``ValueError`` if the modifier does not fit ``num_heads`` query heads."""
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        """Learned tensors the modifier reads (a T5 bias table); empty for fixed ones."""
+        return ()
+
+    def parameter_grads(
+        self, grad: Tensor, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> tuple[Tensor, ...]:
+        """Gradients of ``sum(grad * self(score, ...))`` w.r.t. :meth:`parameters`, in order."""
+        return ()
 
 
 class ALiBi(ScoreMod):
@@ -100,6 +131,69 @@ class SoftCap(ScoreMod):
         return f"softcap({self.cap:g})"
 
 
+class T5Bias(ScoreMod):
+    """``score + table[bucket(kv_idx - q_idx), h]``: T5's learned relative-position bias.
+
+    ``table`` is ``[num_buckets, H]`` (the weight of T5's ``relative_attention_bias``
+    embedding), held by reference: a learned parameter receives its gradient through
+    autograd on ``reference`` and ``sparse``, and through :meth:`parameter_grads` on
+    ``tiled``, whose backward is written by hand.
+    """
+
+    additive = True
+
+    def __init__(self, table: Tensor, *, bidirectional: bool, max_distance: int) -> None:
+        if not isinstance(table, Tensor) or table.dim() != 2 or not table.is_floating_point():
+            raise ValueError(
+                "the T5 bias table must be a floating tensor [num_buckets, num_heads], got "
+                f"{type(table).__name__} {tuple(getattr(table, 'shape', ()))}"
+            )
+        if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 1:
+            raise ValueError(f"max_distance must be a positive int, got {max_distance!r}")
+        self.table = table
+        self.bidirectional = bool(bidirectional)
+        self.max_distance = max_distance
+
+    def _flat_index(self, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        bucket = t5_relative_position_bucket(
+            kv_idx - q_idx,
+            bidirectional=self.bidirectional,
+            num_buckets=self.table.shape[0],
+            max_distance=self.max_distance,
+        )
+        return bucket * self.table.shape[1] + h  # index into table.view(-1)
+
+    def __call__(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        table = self.table.to(device=score.device, dtype=score.dtype)
+        return score + table.view(-1)[self._flat_index(h, q_idx, kv_idx)]
+
+    def check_heads(self, num_heads: int) -> None:
+        if self.table.shape[1] != num_heads:
+            raise ValueError(
+                f"the T5 bias table has {self.table.shape[1]} heads but the query has {num_heads}"
+            )
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        return (self.table,)
+
+    def parameter_grads(
+        self, grad: Tensor, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> tuple[Tensor, ...]:
+        idx = self._flat_index(h, q_idx, kv_idx).expand(grad.shape)
+        g = torch.zeros(self.table.numel(), dtype=grad.dtype, device=grad.device)
+        g.index_add_(0, idx.reshape(-1), grad.reshape(-1))
+        return (g.view(self.table.shape).to(self.table.dtype),)
+
+    def __repr__(self) -> str:
+        n, heads = self.table.shape
+        return (
+            f"t5_bias({n} buckets, {heads} heads, bidirectional={self.bidirectional}, "
+            f"max_distance={self.max_distance})"
+        )
+
+
 def alibi(slopes: Sequence[float] | Tensor | int) -> ALiBi:
     """ALiBi bias; ``slopes`` is one slope per query head, or a head count for the paper's slopes."""
     if isinstance(slopes, bool):
@@ -112,6 +206,14 @@ def alibi(slopes: Sequence[float] | Tensor | int) -> ALiBi:
 def softcap(cap: float) -> SoftCap:
     """Logit soft-capping at ``cap`` (Gemma 2 uses 50 for attention)."""
     return SoftCap(cap)
+
+
+def t5_bias(table: Tensor, *, bidirectional: bool = True, max_distance: int = 128) -> T5Bias:
+    """T5's relative-position bias from its ``[num_buckets, num_heads]`` table.
+
+    ``bidirectional=True`` for the encoder, ``False`` for causal decoder self-attention.
+    """
+    return T5Bias(table, bidirectional=bidirectional, max_distance=max_distance)
 
 
 def apply_score_mods(
@@ -128,3 +230,32 @@ def apply_score_mods(
             deriv = d if deriv is None else deriv * d
         score = m(score, b, h, q_idx, kv_idx)
     return score, deriv
+
+
+def score_mods_backward(
+    mods: Sequence[ScoreMod],
+    score: Tensor,
+    b: Tensor,
+    h: Tensor,
+    q_idx: Tensor,
+    kv_idx: Tensor,
+    grad: Tensor,
+) -> tuple[Tensor, list[Tensor]]:
+    """Back-propagate ``grad`` (d loss / d modified score) through ``mods``.
+
+    Recomputes each modifier's input from ``score`` (the unmodified scaled score).
+
+    Returns:
+        ``(d loss / d score, [gradient of each parameter of each modifier, in order])``.
+    """
+    inputs: list[Tensor] = []
+    x = score
+    for m in mods:
+        inputs.append(x)
+        x = m(x, b, h, q_idx, kv_idx)
+    grads: list[list[Tensor]] = []
+    for m, x in zip(reversed(mods), reversed(inputs), strict=True):
+        grads.append(list(m.parameter_grads(grad, x, b, h, q_idx, kv_idx)))
+        if not m.additive:
+            grad = grad * m.derivative(x, b, h, q_idx, kv_idx)
+    return grad, [g for per_mod in reversed(grads) for g in per_mod]
