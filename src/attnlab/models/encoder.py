@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnlab.functional._checks import check_binary_mask
 from attnlab.functional.masks import padding_mask
 from attnlab.models.config import EncoderConfig
 from attnlab.models.outputs import EncoderOutput
@@ -123,13 +124,7 @@ class EncoderModel(nn.Module):
         mask: Tensor | None = None
         if attention_mask is not None:
             b, s = x.shape[:2]
-            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
-                got = (
-                    tuple(attention_mask.shape)
-                    if isinstance(attention_mask, Tensor)
-                    else attention_mask
-                )
-                raise ValueError(f"attention_mask must be (batch, seq_len) = {(b, s)}, got {got}")
+            check_binary_mask("attention_mask", attention_mask, (b, s))
             pad = padding_mask(attention_mask)  # [B, 1, 1, S]
             # An all-ones mask changes nothing; dropping it lets fused kernels skip masking.
             mask = None if bool(pad.all()) else pad
