@@ -38,6 +38,7 @@ SUBCOMMANDS: list[str] = [
     "visualize",
     "backends",
     "serve",
+    "distill",
 ]
 
 EXIT_FAILURE = 1  # valid arguments, the work failed
