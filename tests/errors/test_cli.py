@@ -183,6 +183,9 @@ def _json_cases(tmp: Path) -> dict[str, list[list[str]]]:
         ],
         "visualize": [["visualize", "--json", "--out", str(tmp / "viz")]],
         "backends": [["backends", "--json"], ["backends", "--explain", "--seq-len", "64", "--json"]],
+        # one optimiser step on two sentences: the pipeline, not the figures
+        "distill": [["distill", "--steps", "1", "--batch-size", "2", "--eval-sentences", "12",
+                     "--out", str(tmp / "student"), "--json"]],
     }  # fmt: skip
 
 

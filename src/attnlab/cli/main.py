@@ -39,6 +39,7 @@ SUBCOMMANDS: list[str] = [
     "backends",
     "train",
     "serve",
+    "distill",
 ]
 
 EXIT_FAILURE = 1  # valid arguments, the work failed

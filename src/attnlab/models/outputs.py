@@ -37,6 +37,10 @@ class CausalLMOutput:
         hidden_states: embeddings output and every layer's output, when asked for.
         attentions: one ``[B, H, L, S]`` tensor per layer, when ``output_attentions=True``.
         loss: the mean next-token cross-entropy, when ``labels`` are given.
+        router_logits: one ``[B * L, E]`` tensor per MoE layer, when
+            ``output_router_logits=True``.
+        aux_loss: the load-balancing loss over ``router_logits`` (unscaled, as
+            transformers returns it), when ``output_router_logits=True``.
     """
 
     logits: Tensor
@@ -44,6 +48,8 @@ class CausalLMOutput:
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
     loss: Tensor | None = None
+    router_logits: tuple[Tensor, ...] | None = None
+    aux_loss: Tensor | None = None
 
 
 @dataclass

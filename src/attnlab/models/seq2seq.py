@@ -276,7 +276,7 @@ class Seq2SeqLM(nn.Module):
         )
         ckpt = checkpointing(self, cached=cache is not None)
         for layer, lc, cc in zip(self.decoder_layers, layer_caches, cross_caches):
-            x, sw, cw = call_layer(
+            x, sw, cw, _ = call_layer(
                 layer,
                 ckpt,
                 x,
