@@ -190,7 +190,10 @@ def _json_cases(tmp: Path) -> dict[str, list[list[str]]]:
 
 
 # Subcommands that print no report: they are exempt from the --json test, with the reason.
-NO_JSON = {"serve": "runs a server in the foreground; its output is the HTTP API"}
+NO_JSON = {
+    "serve": "runs a server in the foreground; its output is the HTTP API",
+    "train": "writes its metrics as JSON lines (metrics.jsonl) under out_dir, not to stdout",
+}
 
 
 def test_every_subcommand_is_covered_by_the_json_test(tmp_path: Path) -> None:
