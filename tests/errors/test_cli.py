@@ -193,6 +193,7 @@ def _json_cases(tmp: Path) -> dict[str, list[list[str]]]:
 NO_JSON = {
     "serve": "runs a server in the foreground; its output is the HTTP API",
     "train": "writes its metrics as JSON lines (metrics.jsonl) under out_dir, not to stdout",
+    "experiment": "trains models for minutes; its strict results.json is checked in tests/experiments",
 }
 
 
