@@ -40,6 +40,7 @@ SUBCOMMANDS: list[str] = [
     "train",
     "serve",
     "distill",
+    "experiment",
 ]
 
 EXIT_FAILURE = 1  # valid arguments, the work failed
