@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
-from attnlab.experiments._common import ExperimentResult, write_result
-
-__all__ = ["EXPERIMENTS", "ExperimentResult", "describe", "run_experiment"]
+# No torch at import: `attnlab --help` and `attnlab estimate` list this module's names.
+__all__ = ["EXPERIMENTS", "describe", "run_experiment"]
 
 #: Experiment name -> module (each defines NAME, TITLE, PAPER, PUBLISHED and ``run``).
 EXPERIMENTS: dict[str, str] = {
@@ -44,7 +44,7 @@ def run_experiment(
     seed: int = 0,
     progress: bool = True,
     smoke: bool = False,
-) -> ExperimentResult:
+) -> Any:
     """Run experiment ``name`` and write its files under ``out`` (default ``runs/NAME``).
 
     Args:
@@ -55,9 +55,11 @@ def run_experiment(
         progress: progress bars on stderr.
         smoke: a few steps only, to check the pipeline (results mean nothing).
     """
+    from attnlab.experiments._common import write_result
+
     m = _module(name)
     folder = Path(out) if out is not None else Path("runs") / name
-    result: ExperimentResult = m.run(  # type: ignore[attr-defined]
+    result = m.run(  # type: ignore[attr-defined]
         quick=quick, smoke=smoke, out=folder, seed=seed, progress=progress
     )
     write_result(result, folder)
