@@ -174,6 +174,32 @@ def train_model(
     return trainer, result
 
 
+def new_axes() -> tuple[Any, Any]:
+    """A 6 x 4 in figure and its axes, without pyplot's global state (as :mod:`attnlab.viz` does)."""
+    from attnlab.viz.heatmap import _require_matplotlib
+
+    fig = _require_matplotlib()(figsize=(6, 4), layout="tight")
+    return fig, fig.add_subplot()
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    from attnlab.viz.heatmap import save_png
+
+    save_png(fig, path, dpi=120)
+
+
+def plot_loss_curves(curves: dict[str, list[tuple[int, float]]], path: Path, title: str) -> None:
+    """Training loss against step, one labelled line per run."""
+    fig, ax = new_axes()
+    for label, pts in curves.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats)")
+    ax.set_title(title)
+    ax.legend()
+    save_figure(fig, path)
+
+
 @torch.no_grad()
 def _initialise(model: nn.Module, seed: int) -> None:
     """GPT-2's initialisation for attention decoders (what ``attnlab train`` builds with);

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from attnlab.experiments._common import ExperimentResult, mean_loss, train_model
+from attnlab.experiments._common import (
+    ExperimentResult,
+    mean_loss,
+    new_axes,
+    save_figure,
+    train_model,
+)
 
 NAME = "extrapolation"
 TITLE = "Length extrapolation: train short, test long"
@@ -198,12 +204,7 @@ def _verdict(bpb: dict[str, dict[int, float]], lengths: list[int]) -> tuple[str,
 
 
 def _plot(bpb: dict[str, dict[int, float]], s: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_axes()
     for pos, by_len in bpb.items():
         xs = sorted(by_len)
         ax.plot(xs, [by_len[x] for x in xs], marker="o", label=pos)
@@ -213,6 +214,4 @@ def _plot(bpb: dict[str, dict[int, float]], s: dict[str, Any], path: Path) -> No
     ax.set_ylabel("held-out bits per byte")
     ax.set_title(f"Trained at {s['train_len']} bytes")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from attnlab.experiments._common import ExperimentResult, mean_loss, train_model
+from attnlab.experiments._common import (
+    ExperimentResult,
+    mean_loss,
+    new_axes,
+    save_figure,
+    train_model,
+)
 
 NAME = "gqa"
 TITLE = "GQA: mean-pooled key/value heads, uptrained, against KV-cache bytes"
@@ -219,12 +225,7 @@ def run(
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_axes()
     xs = [r["kv_bytes_per_token"] for r in rows]
     ax.plot(xs, [r["converted_bpb"] for r in rows], "o--", label="mean-pooled, no uptraining")
     ax.plot(xs, [r["uptrained_bpb"] for r in rows], "o-", label="uptrained")
@@ -240,6 +241,4 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("KV-cache bytes per token (float32)")
     ax.set_ylabel("held-out bits per byte")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

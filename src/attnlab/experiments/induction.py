@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.experiments._common import ExperimentResult, train_model
+from attnlab.experiments._common import ExperimentResult, plot_loss_curves, train_model
 
 NAME = "induction"
 TITLE = "Induction heads: a two-layer attention-only model on repeated random tokens"
@@ -64,9 +64,9 @@ class RepeatedTokens:
         return torch.cat([x, x], 1)
 
     def _batch(self, ids: Tensor) -> Any:
-        from attnlab.train.data import Batch
+        from attnlab.train.data import Batch, _counted
 
-        return Batch(input_ids=ids, labels=ids.clone(), num_targets=ids.numel() - len(ids))
+        return _counted(Batch(input_ids=ids, labels=ids.clone()), None, "decoder")
 
     def train_batch(self, start: int, count: int) -> Any:
         return self._batch(self._draw(count, start))
@@ -115,7 +115,7 @@ def run(
     data = RepeatedTokens(vocab_size=s["vocab"], half=s["half"], seed=seed)
     probe = data._draw(s["probes"], 1 << 41)
     rows: list[dict[str, Any]] = []
-    curves: dict[int, list[tuple[int, float]]] = {}
+    curves: dict[str, list[tuple[int, float]]] = {}
     best: dict[str, Any] = {}
     for layers in (1, 2):
         torch.manual_seed(seed)
@@ -143,7 +143,9 @@ def run(
             progress=progress,
             data_obj=data,
         )
-        curves[layers] = [(h["step"], h["loss"]) for h in trainer.history if "loss" in h]
+        curves[f"{layers} layer(s)"] = [
+            (h["step"], h["loss"]) for h in trainer.history if "loss" in h
+        ]
         first, second = half_losses(model, probe)
         scores = prefix_matching_scores(model, probe)
         li, hi = divmod(int(scores.argmax()), scores.shape[1])
@@ -204,25 +206,11 @@ def run(
 
 
 def _plot(
-    curves: dict[int, list[tuple[int, float]]], best: dict[str, Any], probe: Tensor, path: Path
+    curves: dict[str, list[tuple[int, float]]], best: dict[str, Any], probe: Tensor, path: Path
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from attnlab.viz.heatmap import heatmap_figure, save_png
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for layers, pts in curves.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{layers} layer(s)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats)")
-    ax.set_title("Attention-only models on repeated random tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_loss_curves(curves, path, "Attention-only models on repeated random tokens")
     # the detected induction head's attention on one repeated sequence
     model, li, hi = best["model"], best["layer"], best["head"]
     ids = probe[:1, : min(probe.shape[1], 32)]

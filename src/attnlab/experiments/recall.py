@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.experiments._common import ExperimentResult, train_model
+from attnlab.experiments._common import ExperimentResult, new_axes, save_figure, train_model
 
 NAME = "recall"
 TITLE = "Multi-query associative recall: attention vs linear attention vs Mamba, RWKV, RetNet"
@@ -70,9 +70,9 @@ class MQAR:
         return ids, labels
 
     def _batch(self, ids: Tensor, labels: Tensor) -> Any:
-        from attnlab.train.data import Batch
+        from attnlab.train.data import Batch, _counted
 
-        return Batch(input_ids=ids, labels=labels, num_targets=int((labels != -100).sum()))
+        return _counted(Batch(input_ids=ids, labels=labels), None, "decoder")
 
     def train_batch(self, start: int, count: int) -> Any:
         return self._batch(*self.draw(count, start))
@@ -214,12 +214,7 @@ def run(
 
 
 def _plot(acc: dict[str, dict[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_axes()
     for kind, by_w in acc.items():
         xs = sorted(by_w)
         ax.plot(xs, [by_w[x] for x in xs], marker="o", label=kind)
@@ -228,6 +223,4 @@ def _plot(acc: dict[str, dict[int, float]], path: Path) -> None:
     ax.set_xlabel("model width")
     ax.set_ylabel("MQAR accuracy (held out)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

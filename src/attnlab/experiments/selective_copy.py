@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.experiments._common import ExperimentResult, train_model
+from attnlab.experiments._common import ExperimentResult, plot_loss_curves, train_model
 
 NAME = "selective-copy"
 TITLE = "Selective copying: Mamba's selective scan (S6) against the same block made LTI (S4-like)"
@@ -139,23 +139,5 @@ def run(
         seed=seed,
         seconds=time.perf_counter() - t0,
         settings=dict(s),
-        plotter=lambda r, p: _plot(curves, p),
+        plotter=lambda r, p: plot_loss_curves(curves, p, "Selective copying"),
     )
-
-
-def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, pts in curves.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats)")
-    ax.set_title("Selective copying")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
