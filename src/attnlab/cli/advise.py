@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnlab.cli._common import positive_float, positive_int, print_json
+from attnlab._validate import check_real
+from attnlab.cli._common import _number_type, positive_float, positive_int, print_json
 
 
 def add_parser(sub: Any) -> None:
@@ -75,19 +76,18 @@ def add_parser(sub: Any) -> None:
 _SUFFIX = {"K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "T": 1e12}
 
 
-def _amount(text: str) -> float:
-    """``"20M"`` -> 2e7, ``"1e18"`` -> 1e18; argparse reports a ValueError as a bad value."""
+def _suffixed(text: str) -> float:
+    """``"20M"`` -> 2e7, ``"1e18"`` -> 1e18 (``ValueError`` when it is no number)."""
     t = text.strip()
     mult = _SUFFIX.get(t[-1:].upper(), 1.0) if t else 1.0
-    try:
-        number = float(t[:-1] if mult != 1.0 else t)
-    except ValueError:
-        number = float("nan")
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive finite number such as 20M, 1.3B or 1e18, got {text!r}"
-        )
-    return number * mult
+    return float(t[:-1] if mult != 1.0 else t) * mult
+
+
+_amount = _number_type(
+    "a positive number such as 20M, 1.3B or 1e18",
+    _suffixed,
+    lambda v: check_real("value", v, gt=0.0),
+)
 
 
 def run_sizing(args: argparse.Namespace) -> int:

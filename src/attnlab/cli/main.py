@@ -37,8 +37,10 @@ SUBCOMMANDS: list[str] = [
     "diagnose",
     "visualize",
     "backends",
+    "train",
     "serve",
     "distill",
+    "experiment",
 ]
 
 EXIT_FAILURE = 1  # valid arguments, the work failed

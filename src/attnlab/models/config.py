@@ -40,6 +40,8 @@ class EncoderConfig(ConfigBase):
         pad_token_id: padding token id.
         norm_position: ``"post"`` (BERT) or ``"pre"`` (pre-LN, with a final norm).
         add_pooler: add BERT's pooler (dense + tanh over the first token).
+        gradient_checkpointing: recompute each layer in the backward instead of keeping
+            its activations (training only).
     """
 
     vocab_size: int = 30522
@@ -57,6 +59,7 @@ class EncoderConfig(ConfigBase):
     pad_token_id: int | None = 0
     norm_position: str = "post"
     add_pooler: bool = True
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in (

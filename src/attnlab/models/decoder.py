@@ -32,14 +32,20 @@ from attnlab.backends.registry import AttentionCall, _choose
 from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
+from attnlab.functional.losses import causal_lm_loss
 from attnlab.functional.masks import MaskPattern, causal, padding, sliding_window
 from attnlab.functional.positions import alibi_slopes, positions_from_mask
+from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.functional.score_mods import alibi
+from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.layout import LayerSpec, MoEConfig
+from attnlab.models.mixers import MixerParts, build_mixer
 from attnlab.models.outputs import CausalLMOutput
-from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.decoder_layer import DecoderLayer
+from attnlab.modules.experts import Experts, Router
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
+from attnlab.modules.moe import MoEBlock
 from attnlab.modules.norms import RMSNorm
 from attnlab.modules.positions import (
     LearnedPositionalEmbedding,
@@ -47,7 +53,7 @@ from attnlab.modules.positions import (
     SinusoidalPositionalEmbedding,
 )
 
-__all__ = ["DecoderLM", "build_decoder_layer", "make_norm"]
+__all__ = ["DecoderLM", "build_decoder_layer", "build_feed_forward", "build_moe", "make_norm"]
 
 CacheKind = Literal["dynamic", "static"]
 
@@ -61,44 +67,88 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm' or 'layernorm'")
 
 
+def build_feed_forward(config: DecoderConfig, spec: LayerSpec) -> nn.Module | None:
+    """The feed-forward ``spec`` names: dense (the config's ``mlp``), MoE, or None."""
+    d = config.hidden_size
+    if spec.ffn == "none":
+        return None
+    if spec.ffn == "moe":
+        assert spec.moe is not None
+        return build_moe(spec.moe, d, bias=config.mlp_bias)
+    if config.mlp == "gated":
+        return GatedFeedForward(
+            embed_dim=d,
+            hidden_dim=config.intermediate_size,
+            activation=config.hidden_act,
+            bias=config.mlp_bias,
+        )
+    return FeedForward(
+        embed_dim=d,
+        hidden_dim=config.intermediate_size,
+        activation=config.hidden_act,
+        bias=config.mlp_bias,
+    )
+
+
+def build_moe(moe: MoEConfig, embed_dim: int, *, bias: bool = False) -> MoEBlock:
+    """A :class:`MoEBlock` as ``moe`` describes it (the shared expert is a gated or plain
+    feed-forward like the routed ones)."""
+    shared: nn.Module | None = None
+    if moe.shared_expert_intermediate_size:
+        kind = GatedFeedForward if moe.expert_mlp == "gated" else FeedForward
+        shared = kind(
+            embed_dim=embed_dim,
+            hidden_dim=moe.shared_expert_intermediate_size,
+            activation=moe.hidden_act,
+            bias=bias,
+        )
+    return MoEBlock(
+        router=Router(
+            embed_dim=embed_dim,
+            num_experts=moe.num_experts,
+            top_k=moe.top_k,
+            router=moe.router,
+            normalize=moe.norm_topk_prob,
+            capacity_factor=moe.capacity_factor,
+            jitter=moe.router_jitter,
+            noise_std=moe.router_noise_std,
+        ),
+        experts=Experts(
+            num_experts=moe.num_experts,
+            embed_dim=embed_dim,
+            hidden_dim=moe.intermediate_size,
+            activation=moe.hidden_act,
+            gated=moe.expert_mlp == "gated",
+        ),
+        shared_expert=shared,
+        shared_expert_gate=nn.Linear(embed_dim, 1, bias=False) if moe.shared_expert_gate else None,
+        dispatch=moe.dispatch,
+        capacity_factor=moe.capacity_factor,
+    )
+
+
 def build_decoder_layer(
     config: DecoderConfig,
     *,
+    layer_index: int = 0,
     rotary: nn.Module | None = None,
     backend: str = "auto",
 ) -> DecoderLayer:
-    """One decoder layer as ``config`` describes it, with the given position components."""
+    """Decoder layer ``layer_index`` as ``config.layer_specs`` describes it (its mixer from
+    :mod:`attnlab.models.mixers`, its feed-forward), with the shared position components."""
     d = config.hidden_size
-    ff: nn.Module
-    if config.mlp == "gated":
-        ff = GatedFeedForward(
-            embed_dim=d,
-            hidden_dim=config.intermediate_size,
-            activation=config.hidden_act,
-            bias=config.mlp_bias,
-        )
-    else:
-        ff = FeedForward(
-            embed_dim=d,
-            hidden_dim=config.intermediate_size,
-            activation=config.hidden_act,
-            bias=config.mlp_bias,
-        )
+    spec = config.layer_specs[layer_index]
+    mixer = build_mixer(
+        spec.mixer,
+        config,
+        MixerParts(layer_index=layer_index, rotary=rotary, backend=backend),
+    )
+    ff = build_feed_forward(config, spec)
     return DecoderLayer(
-        self_attention=MultiHeadAttention(
-            embed_dim=d,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            bias=config.attention_bias,
-            out_bias=config.attention_out_bias,
-            dropout=config.attention_dropout,
-            backend=backend,
-            rotary=rotary,
-        ),
+        self_attention=mixer,
         feed_forward=ff,
         self_attn_norm=make_norm(config.norm, d, config.norm_eps),
-        ffn_norm=make_norm(config.norm, d, config.norm_eps),
+        ffn_norm=make_norm(config.norm, d, config.norm_eps) if ff is not None else None,
         norm_position="pre",
         dropout=config.hidden_dropout,
     )
@@ -151,8 +201,8 @@ class DecoderLM(nn.Module):
         elif config.position_embedding == "alibi":
             self.alibi_slopes = alibi_slopes(config.num_attention_heads)
         self.layers = nn.ModuleList(
-            build_decoder_layer(config, rotary=self.rotary, backend=backend)
-            for _ in range(config.num_hidden_layers)
+            build_decoder_layer(config, layer_index=i, rotary=self.rotary, backend=backend)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = make_norm(config.norm, d, config.norm_eps)
         self.lm_head = (
@@ -216,7 +266,7 @@ class DecoderLM(nn.Module):
     def forward(
         self,
         input_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
+        attention_mask: Tensor | MaskPattern | None = None,
         position_ids: Tensor | None = None,
         past_key_values: ModelCache | None = None,
         use_cache: bool = False,
@@ -224,13 +274,17 @@ class DecoderLM(nn.Module):
         output_hidden_states: bool = False,
         inputs_embeds: Tensor | None = None,
         logits_to_keep: int = 0,
+        output_router_logits: bool = False,
+        labels: Tensor | None = None,
     ) -> CausalLMOutput:
         """Next-token logits for ``L`` new tokens, after the cached ones.
 
         Args:
             input_ids: ``[B, L]`` token ids (or ``inputs_embeds [B, L, D]``).
             attention_mask: ``[B, T]`` of 1/0 over cached + new tokens (``T = cached + L``);
-                left padding is supported.
+                left padding is supported. Without a cache, also a pattern that the
+                causal mask (and the sliding window) is combined with, e.g.
+                ``document(doc_ids)`` for packed training rows.
             position_ids: ``[B, L]`` positions; default from ``attention_mask``
                 (``cumsum - 1``) or ``cached .. cached+L-1``.
             past_key_values: a :class:`ModelCache` (from :meth:`new_cache` or a previous
@@ -240,6 +294,12 @@ class DecoderLM(nn.Module):
             output_hidden_states: return the embeddings and every layer's output.
             inputs_embeds: ``[B, L, D]`` instead of ``input_ids``.
             logits_to_keep: compute logits for the last ``n`` tokens only (0 = all).
+            output_router_logits: return each MoE layer's router logits ``[B * L, E]``
+                and the load-balancing ``aux_loss`` over them (transformers'
+                ``load_balancing_loss_func``: padding left out by ``attention_mask``).
+            labels: ``[B, L]`` target ids (usually ``input_ids``; ``-100`` = ignored);
+                the output's ``loss`` is the next-token cross-entropy, shifted as
+                transformers shifts it.
 
         Returns:
             :class:`CausalLMOutput`.
@@ -250,16 +310,20 @@ class DecoderLM(nn.Module):
         """
         x = self._embed_tokens(input_ids, inputs_embeds)  # [B, L, D]
         b, n = x.shape[:2]
+        extra = attention_mask if isinstance(attention_mask, MaskPattern) else None
+        if extra is not None and (past_key_values is not None or use_cache):
+            raise ValueError("a pattern attention_mask is for uncached forwards (no cache)")
         cache = past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
-        mask = self._check_mask(attention_mask, b, start + n)
+        pad_mask = attention_mask if isinstance(attention_mask, Tensor) else None
+        mask = self._check_mask(pad_mask, b, start + n)
         if position_ids is not None:
             position_ids = self._check_position_ids(position_ids, b, n)
         elif mask is not None:
             position_ids = positions_from_mask(mask)[:, start:]  # [B, L]
-        logits, hidden, attentions = self._run(
+        logits, hidden, attentions, routers = self._run(
             x,
             start=start,
             mask=mask,
@@ -268,13 +332,51 @@ class DecoderLM(nn.Module):
             logits_to_keep=logits_to_keep,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            extra=extra,
         )
+        aux_loss = None
+        if output_router_logits and routers:
+            # a pattern (packed rows) has no padding to leave out of the balance
+            aux_loss = self._aux_loss(list(routers), pad_mask, b, n)
         return CausalLMOutput(
             logits=logits,
+            loss=causal_lm_loss(logits, labels) if labels is not None else None,
             past_key_values=cache if (use_cache or past_key_values is not None) else None,
             hidden_states=hidden,
             attentions=attentions,
+            router_logits=routers,
+            aux_loss=aux_loss,
         )
+
+    def router_loss(
+        self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None = None
+    ) -> Tensor:
+        """The routers' training loss to add to the language-model loss:
+        ``router_aux_loss_coef * load_balancing + router_z_loss_coef * z_loss`` (Fedus et
+        al., 2021; Zoph et al., 2022), with the first MoE layer's coefficients.
+
+        Args:
+            router_logits: ``output.router_logits`` (``output_router_logits=True``).
+            attention_mask: ``[B, L]`` 1/0 over the same tokens, padding left out.
+        """
+        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        assert moe is not None
+        loss = moe.router_aux_loss_coef * load_balancing_loss(
+            router_logits, moe.num_experts, moe.top_k, attention_mask
+        )
+        if moe.router_z_loss_coef:
+            loss = loss + moe.router_z_loss_coef * router_z_loss(router_logits, attention_mask)
+        return loss
+
+    def _aux_loss(
+        self, router_logits: list[Tensor], attention_mask: Tensor | None, b: int, n: int
+    ) -> Tensor:
+        """Load-balancing loss over the MoE layers (the first MoE layer's ``E`` and ``k``)."""
+        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        assert moe is not None
+        mask = attention_mask[:, -n:] if attention_mask is not None else None  # [B, L]
+        return load_balancing_loss(router_logits, moe.num_experts, moe.top_k, mask)
 
     def decode_step(
         self,
@@ -305,7 +407,7 @@ class DecoderLM(nn.Module):
                 registry once for this forward.
         """
         x = self.embed_tokens(input_ids)  # [B, L, D]
-        logits, _, _ = self._run(
+        logits, _, _, _ = self._run(
             x,
             start=start,
             mask=attention_mask,
@@ -352,9 +454,14 @@ class DecoderLM(nn.Module):
         logits_to_keep: int,
         output_attentions: bool,
         output_hidden_states: bool,
+        output_router_logits: bool = False,
+        extra: MaskPattern | None = None,
         backend: str | None = None,
-    ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
-        """The one forward, after validation: ``(logits, hidden states, attentions)``."""
+    ) -> tuple[
+        Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None
+    ]:
+        """The one forward, after validation: ``(logits, hidden states, attentions, router
+        logits)``; ``extra`` is a user pattern combined with the model's own (no cache)."""
         n = x.shape[1]
         device = x.device
         q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
@@ -368,17 +475,21 @@ class DecoderLM(nn.Module):
         first = cache.layers[0] if cache is not None and cache.layers else None
         if first is not None and not isinstance(first, KVCache):
             raise TypeError(f"a decoder layer needs a KVCache, got {type(first).__name__}")
-        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots)
+        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
         call = self._attention_call(x, pattern, is_causal, s, output_attentions)
         backend = self._backend_for(call) if backend is None else backend  # once per forward
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
+        router_logits: list[Tensor] = []
         layer_caches: Iterator[LayerCache | None] = (
             iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
         )
+        ckpt = checkpointing(self, cached=cache is not None)
         for layer, layer_cache in zip(self.layers, layer_caches):
-            x, w, _ = layer(
+            x, w, _, r = call_layer(
+                layer,
+                ckpt,
                 x,
                 attn_mask=pattern,
                 is_causal=is_causal,
@@ -396,6 +507,8 @@ class DecoderLM(nn.Module):
                 attentions.append(w)
             if output_hidden_states:
                 hidden.append(x)
+            if output_router_logits and r is not None:
+                router_logits.append(r)
         x = self.norm(x)
         if output_hidden_states:
             hidden[-1] = x
@@ -406,20 +519,28 @@ class DecoderLM(nn.Module):
             logits,
             tuple(hidden) if output_hidden_states else None,
             tuple(attentions) if output_attentions else None,
+            tuple(router_logits) if output_router_logits else None,
         )
 
     def _pattern(
-        self, first: KVCache | None, mask: Tensor | None, start: Start, n: int, q_slots: Tensor
+        self,
+        first: KVCache | None,
+        mask: Tensor | None,
+        start: Start,
+        n: int,
+        q_slots: Tensor,
+        extra: MaskPattern | None = None,
     ) -> tuple[MaskPattern | None, bool, Tensor | None, Tensor | None]:
         """``(pattern, is_causal, q slots, k slots)`` shared by every layer of one forward.
 
         The pattern is ``causal() & sliding_window(W - 1) & padding(mask)`` with ALiBi as
-        a score modifier, evaluated on slots. Two shapes need no pattern at all: a
+        a score modifier, evaluated on slots (and ``& extra``, a user's pattern such as
+        ``document(ids)``, when given). Two shapes need no pattern at all: a
         prompt with no cache, padding, window or bias (torch's causal kernel), and one
         new token against a contiguous cache of every earlier slot (it sees them all).
         """
         window = self.config.sliding_window
-        plain = mask is None and window is None and self.alibi_slopes is None
+        plain = mask is None and window is None and self.alibi_slopes is None and extra is None
         contiguous = first is None or isinstance(first, DynamicKVCache)
         if plain and contiguous and isinstance(start, int):
             if start == 0:
@@ -433,6 +554,8 @@ class DecoderLM(nn.Module):
         pattern: MaskPattern = causal() if window is None else sliding_window(window - 1)
         if mask is not None:
             pattern = pattern & padding(mask)
+        if extra is not None:
+            pattern = pattern & extra
         if self.alibi_slopes is not None:
             pattern = pattern.with_scores(alibi(self.alibi_slopes))
         return pattern, False, q_slots, k_slots

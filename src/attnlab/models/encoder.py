@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from attnlab.functional._checks import check_binary_mask
 from attnlab.functional.masks import padding_mask
+from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.config import EncoderConfig
 from attnlab.models.outputs import EncoderOutput
 from attnlab.modules.attention import MultiHeadAttention
@@ -130,8 +131,9 @@ class EncoderModel(nn.Module):
             mask = None if bool(pad.all()) else pad
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
+        ckpt = checkpointing(self)
         for layer in self.layers:
-            x, w = layer(x, attn_mask=mask, need_weights=output_attentions)
+            x, w = call_layer(layer, ckpt, x, attn_mask=mask, need_weights=output_attentions)
             if output_attentions:
                 assert w is not None
                 attentions.append(w)

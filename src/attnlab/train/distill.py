@@ -26,7 +26,6 @@ import ast
 import copy
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -42,10 +41,14 @@ import torch
 from torch import Tensor
 
 from attnlab.functional.distill import attention_kl, hidden_state_loss
+from attnlab.train.trainer import lr_multiplier
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistillConfig", "DistillResult", "distill_sentence_encoder", "stdlib_sentences"]
+
+#: Share of the standard library's files whose sentences are held out (by path hash).
+HELD_OUT_PERCENT = 12
 
 #: Files of the sentence-transformers folder layout copied from the teacher unchanged.
 _ST_FILES = (
@@ -162,16 +165,15 @@ def _docstring_sentences(source: str) -> Iterator[str]:
 
 @functools.lru_cache(maxsize=2)
 def _all_stdlib_sentences(held_out: bool) -> tuple[str, ...]:
+    from attnlab.train.data import _bucket, stdlib_files
+
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts
-    )
     seen: set[str] = set()
     out: list[str] = []
-    for p in files:
-        rel = p.relative_to(root).as_posix()
-        is_held = hashlib.sha256(rel.encode()).digest()[0] < 32  # 1/8 of the files
-        if is_held != held_out:
+    for p in stdlib_files():
+        if "test" in p.parts or "tests" in p.parts:
+            continue
+        if (_bucket(p, root) < HELD_OUT_PERCENT) != held_out:
             continue
         try:
             src = p.read_text(encoding="utf-8")
@@ -187,8 +189,9 @@ def _all_stdlib_sentences(held_out: bool) -> tuple[str, ...]:
 def stdlib_sentences(*, held_out: bool, limit: int, seed: int = 0) -> list[str]:
     """Docstring paragraphs from the Python standard library's source, deduplicated.
 
-    Files are split by a hash of their path: about one in eight is held out, so held-out
-    sentences come from files the training split never saw.
+    Files are split by the hash of their path that :mod:`attnlab.train.data` splits text
+    with (:data:`HELD_OUT_PERCENT` of them held out), so held-out sentences come from files
+    the training split never saw.
 
     Args:
         held_out: the held-out split (else the training split).
@@ -352,14 +355,9 @@ def distill_sentence_encoder(
 
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01)
     warm = max(1, cfg.steps // 10)
-
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        t = (step - warm) / max(1, cfg.steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_multiplier(step, steps=cfg.steps, warmup=warm, min_ratio=0.0)
+    )
     g = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
     bar = None
