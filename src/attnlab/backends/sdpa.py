@@ -8,6 +8,7 @@ kernel, and zeroes their output, so values and gradients stay finite.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,11 +39,15 @@ def sdpa_torch(
     enable_gqa: bool = False,
     *,
     return_weights: bool = False,
+    check_finite: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Run :func:`torch.nn.functional.scaled_dot_product_attention` with attnlab's guarantees.
 
     Shapes as in :func:`attnlab.functional.sdpa_reference`. With ``return_weights``
     the weights are recomputed from a log-sum-exp (:func:`attnlab.backends.attention_weights`).
+    ``check_finite=False`` (a model's trusted call) skips the non-finite check: inside a
+    model a NaN in the query or key is also in the residual stream, so it reaches the
+    logits whatever this kernel does, and ``generate`` checks those every step.
     """
     L, S = query.shape[-2], key.shape[-2]
     if L == 0 or S == 0:
@@ -50,8 +55,12 @@ def sdpa_torch(
     acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else None
     # (skipped inside a compiled decode step: no host sync there; its caller checks the
     # logits of every step instead)
-    if not torch.compiler.is_compiling() and not math.isfinite(
-        float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))
+    if (
+        check_finite
+        and not torch.compiler.is_compiling()
+        and not math.isfinite(
+            float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))
+        )
     ):
         # torch's kernels do not propagate a NaN in the query or key at some shapes (small
         # lengths and head dims), and propagate it from masked keys at others: non-finite
@@ -139,6 +148,7 @@ SDPA = register(
         fn=sdpa_torch,
         check=_check,
         cost=_cost,
+        trusted_fn=functools.partial(sdpa_torch, check_finite=False),
         **TRAITS["sdpa"].registry_fields(),
     )
 )

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
-from attnlab.generation.fast_step import fast_step_for
 
 __all__ = ["generate", "stream"]
 
@@ -95,7 +94,6 @@ def stream(
     pad_token_id: int | None = None,
     cache: Any = None,
     compile: bool = False,
-    fast_path: bool = True,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
 
@@ -161,7 +159,6 @@ def stream(
     ).logits
     # models without a trusted decode step (recurrent, encoder-decoder) run their forward
     step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
-    fast = fast_step_for(model, cache) if fast_path and not compile else None
     backend: str | None = None
     for step in range(max_new_tokens):
         tok = choose(logits)
@@ -190,9 +187,6 @@ def stream(
                 backend=backend,
             )
             cache.set_length(slot + 1)
-        elif fast is not None:
-            mask_now = full_mask[:, : slot + 1] if full_mask is not None else None
-            logits = fast(tok[:, None], cache=cache, attention_mask=mask_now, position_ids=next_pos)
         elif step_fn is not None:
             logits = step_fn(
                 tok[:, None],
@@ -344,7 +338,6 @@ def generate(
     pad_token_id: int | None = None,
     cache: Any = None,
     compile: bool = False,
-    fast_path: bool = True,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -367,9 +360,6 @@ def generate(
         compile: compile the model's decode step with ``torch.compile`` over a static
             cache (the first call compiles, later ones reuse the graph); same tokens
             as the eager loop. Decoder-only models.
-        fast_path: decode eagerly with
-            :class:`~attnlab.generation.fast_step.FastDecodeStep` where it applies (same
-            tokens; False runs every step through :meth:`DecoderLM.decode_step`).
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
@@ -396,7 +386,6 @@ def generate(
             pad_token_id=pad_token_id,
             cache=cache,
             compile=compile,
-            fast_path=fast_path,
         )
     )
     if getattr(model, "is_encoder_decoder", False):

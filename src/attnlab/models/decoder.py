@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from attnlab.backends.registry import AttentionCall, _choose
+from attnlab.backends.registry import AttentionCall, choose_call
 from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
@@ -317,7 +317,7 @@ class DecoderLM(nn.Module):
         if cache is None and use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
-        pad_mask = attention_mask if isinstance(attention_mask, Tensor) else None
+        pad_mask = None if isinstance(attention_mask, MaskPattern) else attention_mask
         mask = self._check_mask(pad_mask, b, start + n)
         if position_ids is not None:
             position_ids = self._check_position_ids(position_ids, b, n)
@@ -441,7 +441,7 @@ class DecoderLM(nn.Module):
 
     def _backend_for(self, call: AttentionCall) -> str:
         """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
-        return _choose(call, self.backend).chosen
+        return choose_call(call, self.backend).chosen
 
     def _run(
         self,
