@@ -21,6 +21,7 @@ SUBCOMMANDS: list[str] = [
     "diagnose",
     "visualize",
     "backends",
+    "embed",
 ]
 
 

@@ -12,6 +12,7 @@ from attnlab.interop.hf import (
     register_converter,
     require_transformers,
 )
+from attnlab.interop.sentence_transformers import attach_sentence_settings
 from attnlab.models.config import EncoderConfig
 from attnlab.models.encoder import EncoderModel
 
@@ -98,5 +99,6 @@ BERT = register_converter(
         build=EncoderModel,
         key_map=key_map,
         to_hf_model=to_hf_model,
+        folder_extras=attach_sentence_settings,
     )
 )
