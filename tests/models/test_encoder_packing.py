@@ -77,3 +77,23 @@ def test_unpad_equals_padded_on_real_tokens() -> None:
         model(input_ids=ids, attention_mask=mask, document_ids=torch.zeros_like(ids))
     with pytest.raises(ValueError, match=r"document_ids must be \(batch, seq_len\)"):
         model(input_ids=ids, document_ids=torch.zeros(4, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["rope", "alibi"])
+def test_relative_position_encoders_pack_exactly(kind: str) -> None:
+    cfg = EncoderConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=40, max_position_embeddings=64, position_embedding_type=kind,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = EncoderModel(cfg).eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 50, (3, 9), generator=g)
+    mask = torch.tensor([[1] * 9, [1] * 4 + [0] * 5, [1] * 7 + [0] * 2])
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        packed = model(input_ids=ids, attention_mask=mask, unpad=True).last_hidden_state
+        alone = model(input_ids=ids[1:2, :4]).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(packed[real], padded[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[1, :4], alone[0], atol=1e-5, rtol=0)

@@ -26,7 +26,16 @@ from torch import Tensor
 
 from attnlab.functional.positions import alibi_slopes
 
-__all__ = ["ALiBi", "ScoreMod", "SoftCap", "alibi", "alibi_slopes", "softcap"]
+__all__ = [
+    "ALiBi",
+    "ScoreMod",
+    "SoftCap",
+    "SymmetricALiBi",
+    "alibi",
+    "alibi_slopes",
+    "softcap",
+    "symmetric_alibi",
+]
 
 
 class ScoreMod:
@@ -128,3 +137,39 @@ def apply_score_mods(
             deriv = d if deriv is None else deriv * d
         score = m(score, b, h, q_idx, kv_idx)
     return score, deriv
+
+
+class SymmetricALiBi(ScoreMod):
+    """``score - slope[h] * |kv_idx - q_idx|``: ALiBi for bidirectional encoders.
+
+    Press et al., 2022 define ALiBi for causal models, where ``kv_idx <= q_idx``; encoders
+    that use it (e.g. MosaicBERT) penalise the distance on both sides.
+    """
+
+    additive = True
+
+    def __init__(self, slopes: Sequence[float] | Tensor) -> None:
+        s = torch.as_tensor(slopes, dtype=torch.float64).flatten()
+        if s.numel() == 0:
+            raise ValueError("ALiBi needs one slope per head, got none")
+        self.slopes = s
+
+    def __call__(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        slope = self.slopes.to(device=score.device, dtype=score.dtype)[h]
+        return score - slope * (kv_idx - q_idx).abs().to(score.dtype)
+
+    def check_heads(self, num_heads: int) -> None:
+        if self.slopes.numel() != num_heads:
+            raise ValueError(
+                f"ALiBi has {self.slopes.numel()} slopes but the query has {num_heads} heads"
+            )
+
+    def __repr__(self) -> str:
+        return f"symmetric_alibi({self.slopes.numel()} heads)"
+
+
+def symmetric_alibi(num_heads: int) -> SymmetricALiBi:
+    """Two-sided ALiBi with the paper's slopes for ``num_heads`` heads (encoders)."""
+    return SymmetricALiBi(alibi_slopes(num_heads))

@@ -109,7 +109,7 @@ def register_converter(conv: Converter) -> Converter:
 
 
 def _ensure_registered() -> None:
-    from attnlab.interop import bert, bloom, gpt2, llama, t5  # noqa: F401  (registers)
+    from attnlab.interop import bert, bloom, gpt2, llama, longformer, t5  # noqa: F401  (registers)
 
 
 def supported_architectures() -> list[str]:

@@ -12,13 +12,16 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.functional.attention import AttnMask
-from attnlab.functional.masks import document, padding_mask
+from attnlab.functional.masks import document, full, padding, padding_mask
+from attnlab.functional.score_mods import ScoreMod, symmetric_alibi
 from attnlab.models.config import EncoderConfig
 from attnlab.models.outputs import EncoderOutput
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.embeddings import Embeddings
 from attnlab.modules.encoder_layer import EncoderLayer
+from attnlab.modules.longformer_attention import LongformerSelfAttention
 from attnlab.modules.mlp import FeedForward
+from attnlab.modules.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from attnlab.models.embedding import EncodeReport, SentenceSettings
@@ -37,17 +40,46 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(hidden[:, 0]))  # [B, D]
 
 
-def build_encoder_layer(config: EncoderConfig, *, backend: str = "auto") -> EncoderLayer:
-    """One encoder layer as ``config`` describes it."""
+def build_encoder_layer(
+    config: EncoderConfig,
+    *,
+    layer: int = 0,
+    backend: str = "auto",
+    rotary: nn.Module | None = None,
+    score_mod: ScoreMod | None = None,
+) -> EncoderLayer:
+    """Layer ``layer`` of the encoder ``config`` describes.
+
+    Its attention is :class:`MultiHeadAttention` (full attention), or Longformer's
+    :class:`LongformerSelfAttention` when ``config.attention_window`` is set; ``rotary`` is
+    the model's shared RoPE module when ``position_embedding_type == "rope"``, and
+    ``score_mod`` Longformer's ALiBi modifier when it is ``"alibi"`` (full-attention layers
+    get theirs on the model's mask pattern).
+    """
     d = config.hidden_size
-    return EncoderLayer(
-        attention=MultiHeadAttention(
+    window = config.layer_window(layer)
+    attention: nn.Module
+    if window is not None:
+        attention = LongformerSelfAttention(
+            embed_dim=d,
+            num_heads=config.num_attention_heads,
+            window=window,
+            dropout=config.attention_probs_dropout_prob,
+            backend=backend,
+            rotary=rotary,
+            score_mod=score_mod,
+        )
+    else:
+        attention = MultiHeadAttention(
             embed_dim=d,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             dropout=config.attention_probs_dropout_prob,
             backend=backend,
-        ),
+            rotary=rotary,
+        )
+    return EncoderLayer(
+        attention=attention,
         feed_forward=FeedForward(
             embed_dim=d,
             hidden_dim=config.intermediate_size,
@@ -74,17 +106,36 @@ class EncoderModel(nn.Module):
         if not isinstance(config, EncoderConfig):
             raise TypeError(f"config must be an EncoderConfig, got {type(config).__name__}")
         self.config = config
+        learned = config.position_embedding_type in ("absolute", "roberta")
         self.embeddings = Embeddings(
             vocab_size=config.vocab_size,
             embed_dim=config.hidden_size,
-            max_positions=config.max_position_embeddings,
+            max_positions=config.max_position_embeddings if learned else 0,
             type_vocab_size=config.type_vocab_size,
             layer_norm_eps=config.layer_norm_eps,
             dropout=config.hidden_dropout_prob,
             pad_token_id=config.pad_token_id,
         )
+        self.rotary = (
+            RotaryEmbedding(
+                dim=config.head_dim,
+                base=config.rope_theta,
+                max_position_embeddings=config.max_position_embeddings,
+            )
+            if config.position_embedding_type == "rope"
+            else None
+        )
+        #: two-sided ALiBi (a score modifier) when ``position_embedding_type == "alibi"``
+        self.alibi = (
+            symmetric_alibi(config.num_attention_heads)
+            if config.position_embedding_type == "alibi"
+            else None
+        )
         self.layers = nn.ModuleList(
-            build_encoder_layer(config, backend=backend) for _ in range(config.num_hidden_layers)
+            build_encoder_layer(
+                config, layer=i, backend=backend, rotary=self.rotary, score_mod=self.alibi
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.final_norm = (
             nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -173,6 +224,7 @@ class EncoderModel(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         *,
+        global_attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
         unpad: bool = False,
     ) -> EncoderOutput:
@@ -186,6 +238,9 @@ class EncoderModel(nn.Module):
             inputs_embeds: ``[B, S, D]`` instead of ``input_ids``.
             output_attentions: return each layer's weights ``[B, H, S, S]``.
             output_hidden_states: return the embeddings and every layer's output.
+            global_attention_mask: ``[B, S]`` of 1 at Longformer's global tokens (they attend
+                to every token and every token attends to them), 0 elsewhere; only for a
+                config with ``attention_window``.
             document_ids: ``[B, S]`` packed rows: the sequence each slot belongs to
                 (``0, 1, ...`` within a row, ``-1`` for an empty slot); a token attends only
                 to its own sequence (a ``document`` pattern). Pass ``position_ids`` that
@@ -212,15 +267,36 @@ class EncoderModel(nn.Module):
             return self._forward_unpadded(
                 input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states
             )
+        if position_ids is None and self.config.position_embedding_type == "roberta":
+            position_ids = self._roberta_positions(input_ids, inputs_embeds)
         x = self.embeddings(
             input_ids=input_ids,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
         )  # [B, S, D]
+        b, s = x.shape[:2]
+        layer_kwargs: dict[str, Any] = {}
+        if self.rotary is not None:
+            layer_kwargs["positions"] = (
+                torch.arange(s, device=x.device) if position_ids is None else position_ids
+            )
+        if self.config.attention_window is not None:
+            return self._forward_longformer(
+                x,
+                attention_mask,
+                global_attention_mask,
+                layer_kwargs,
+                output_attentions,
+                output_hidden_states,
+                document_ids,
+            )
+        if global_attention_mask is not None:
+            raise ValueError(
+                "global_attention_mask is for Longformer encoders (a config with attention_window)"
+            )
         mask: AttnMask = None
         if document_ids is not None:
-            b, s = x.shape[:2]
             if attention_mask is not None:
                 raise ValueError(
                     "pass document_ids or attention_mask, not both (empty slots are document -1)"
@@ -234,7 +310,6 @@ class EncoderModel(nn.Module):
                 raise ValueError(f"document_ids must be (batch, seq_len) = {(b, s)}, got {got}")
             mask = document(document_ids)
         elif attention_mask is not None:
-            b, s = x.shape[:2]
             if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
                 got = (
                     tuple(attention_mask.shape)
@@ -245,10 +320,15 @@ class EncoderModel(nn.Module):
             pad = padding_mask(attention_mask)  # [B, 1, 1, S]
             # An all-ones mask changes nothing; dropping it lets fused kernels skip masking.
             mask = None if bool(pad.all()) else pad
+        if self.alibi is not None:
+            if isinstance(mask, Tensor):  # a padding mask [B, 1, 1, S] from attention_mask
+                assert attention_mask is not None
+                mask = padding(attention_mask)
+            mask = (full() if mask is None else mask).with_scores(self.alibi)
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         for layer in self.layers:
-            x, w = layer(x, attn_mask=mask, need_weights=output_attentions)
+            x, w = layer(x, attn_mask=mask, need_weights=output_attentions, **layer_kwargs)
             if output_attentions:
                 assert w is not None
                 attentions.append(w)
@@ -263,6 +343,68 @@ class EncoderModel(nn.Module):
             pooler_output=self.pooler(x) if self.pooler is not None else None,
             hidden_states=tuple(hidden) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
+        )
+
+    def _roberta_positions(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
+        """RoBERTa's positions: real tokens count from ``pad + 1``, padding tokens sit at ``pad``."""
+        pad = self.config.pad_token_id
+        assert pad is not None  # the config checks it
+        if input_ids is None:
+            assert inputs_embeds is not None
+            s = inputs_embeds.shape[1]
+            return torch.arange(pad + 1, pad + 1 + s, device=inputs_embeds.device).unsqueeze(0)
+        real = (input_ids != pad).long()
+        return torch.cumsum(real, dim=1) * real + pad  # [B, S]
+
+    def _forward_longformer(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None,
+        global_attention_mask: Tensor | None,
+        layer_kwargs: dict[str, Any],
+        output_attentions: bool,
+        output_hidden_states: bool,
+        document_ids: Tensor | None,
+    ) -> EncoderOutput:
+        """Every layer: a sliding window plus global tokens (Beltagy et al., 2020)."""
+        b, s = x.shape[:2]
+        if output_attentions or document_ids is not None:
+            raise ValueError(
+                "a Longformer encoder (attention_window) returns no attention weights and takes "
+                "no document_ids"
+            )
+        key_mask: Tensor | None = None
+        if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
+                got = getattr(attention_mask, "shape", attention_mask)
+                raise ValueError(f"attention_mask must be (batch, seq_len) = {(b, s)}, got {got}")
+            keep = padding_mask(attention_mask)[:, 0, 0, :]  # [B, S]
+            key_mask = None if bool(keep.all()) else keep
+        global_mask: Tensor | None = None
+        if global_attention_mask is not None:
+            if not isinstance(global_attention_mask, Tensor) or tuple(
+                global_attention_mask.shape
+            ) != (b, s):
+                got = getattr(global_attention_mask, "shape", global_attention_mask)
+                raise ValueError(
+                    f"global_attention_mask must be (batch, seq_len) = {(b, s)}, got {got}"
+                )
+            global_mask = padding_mask(global_attention_mask)[:, 0, 0, :]  # [B, S]
+            if key_mask is not None:
+                global_mask = global_mask & key_mask  # padding is never global
+        hidden: list[Tensor] = [x] if output_hidden_states else []
+        for layer in self.layers:
+            x, _ = layer(x, global_mask=global_mask, key_mask=key_mask, **layer_kwargs)
+            if output_hidden_states:
+                hidden.append(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+            if output_hidden_states:
+                hidden[-1] = x
+        return EncoderOutput(
+            last_hidden_state=x,
+            pooler_output=self.pooler(x) if self.pooler is not None else None,
+            hidden_states=tuple(hidden) if output_hidden_states else None,
         )
 
     def _forward_unpadded(
