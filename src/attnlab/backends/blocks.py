@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional.masks import MaskPattern, causal
-from attnlab.functional.score_mods import ScoreMod, apply_score_mods
+from attnlab.functional.masks import MaskPattern, causal, default_positions, full
+from attnlab.functional.score_mods import ScoreMod, apply_score_mods, score_mods_backward
 
 __all__ = ["MaskSpec", "compute_dtype", "flatten_batch", "mask_spec", "weights_from_lse"]
 
@@ -75,6 +75,8 @@ class MaskSpec:
         n: flattened batch size ``N``.
         q_len: ``L``.
         kv_len: ``S``.
+        q_pos: long ``[N|1, L]``, each query's position (slot).
+        k_pos: long ``[N|1, S]``, each key's position, ``-1`` for an empty entry.
         score_mods: modifiers applied to the scaled scores before the mask.
     """
 
@@ -83,7 +85,32 @@ class MaskSpec:
     n: int
     q_len: int
     kv_len: int
+    q_pos: Tensor
+    k_pos: Tensor
     score_mods: tuple[ScoreMod, ...] = ()
+
+    def _indices(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int) -> tuple[Tensor, ...]:
+        """``(b, h, q, k)`` index tensors of a tile ``[N, H, q1-q0, k1-k0]`` for score modifiers."""
+        dev = scores.device
+        b = torch.arange(scores.shape[0], device=dev).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
+        h = torch.arange(scores.shape[1], device=dev).view(-1, 1, 1)  # [H, 1, 1]
+        qi = self.q_pos[:, q0:q1].unsqueeze(1).unsqueeze(-1)  # [N|1, 1, lq, 1]
+        ki = self.k_pos[:, k0:k1].unsqueeze(1).unsqueeze(-2)  # [N|1, 1, 1, lk]
+        return b, h, qi, ki
+
+    @property
+    def parameters(self) -> tuple[Tensor, ...]:
+        """The learned tensors of the score modifiers (a T5 bias table), in order."""
+        return tuple(p for m in self.score_mods for p in m.parameters())
+
+    def modify_backward(
+        self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, grad: Tensor
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Back-propagate ``grad`` (w.r.t. the modified tile) to the unmodified ``scores``
+        and to the modifiers' parameters (:func:`~attnlab.functional.score_mods.score_mods_backward`).
+        """
+        b, h, qi, ki = self._indices(scores, q0, q1, k0, k1)
+        return score_mods_backward(self.score_mods, scores, b, h, qi, ki, grad)
 
     @property
     def empty(self) -> bool:
@@ -100,11 +127,7 @@ class MaskSpec:
         """
         if not self.score_mods:
             return scores, None
-        dev = scores.device
-        b = torch.arange(scores.shape[0], device=dev).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
-        h = torch.arange(scores.shape[1], device=dev).view(-1, 1, 1)  # [H, 1, 1]
-        qi = torch.arange(q0, q1, device=dev).view(-1, 1)  # [lq, 1]
-        ki = torch.arange(k0, k1, device=dev).view(1, -1)  # [1, lk]
+        b, h, qi, ki = self._indices(scores, q0, q1, k0, k1)
         out, deriv = apply_score_mods(self.score_mods, scores, b, h, qi, ki)
         return out, (deriv if derivative else None)
 
@@ -118,7 +141,14 @@ class MaskSpec:
         needed = torch.ones(nq, nk, dtype=torch.bool)
         full = torch.ones(nq, nk, dtype=torch.bool)
         if self.pattern is not None:
-            a, b = self.pattern.block_mask(self.q_len, self.kv_len, block_q, block_k)
+            a, b = self.pattern.block_mask(
+                self.q_len,
+                self.kv_len,
+                block_q,
+                block_k,
+                q_positions=self.q_pos.cpu(),
+                k_positions=self.k_pos.cpu(),
+            )
             needed, full = needed & a, full & b
         if self.dense is not None:
             full = torch.zeros_like(full)
@@ -141,12 +171,7 @@ class MaskSpec:
         """
         allowed: Tensor | None = None
         if self.pattern is not None:
-            allowed = pattern_allowed(
-                self.pattern,
-                torch.arange(q0, q1, device=device).view(-1, 1),
-                torch.arange(k0, k1, device=device).view(1, -1),
-                self.n,
-            )
+            allowed = self.pattern.evaluate(self.q_pos[:, q0:q1], self.k_pos[:, k0:k1])
         if self.dense is not None and self.dense.dtype == torch.bool:
             d = _slice_rows_cols(self.dense, q0, q1, k0, k1)
             allowed = d if allowed is None else allowed & d
@@ -163,16 +188,6 @@ def _tile_any(x: Tensor, block: int, n_tiles: int) -> Tensor:
     """``[R, C]`` bool -> ``[R, n_tiles]``: any over tiles of ``block`` columns."""
     x = F.pad(x, (0, n_tiles * block - x.shape[-1]), value=False)
     return x.view(x.shape[0], n_tiles, block).any(-1)
-
-
-def pattern_allowed(pattern: MaskPattern, q_pos: Tensor, k_pos: Tensor, n: int) -> Tensor:
-    """Evaluate ``pattern`` at broadcastable positions; a batch-dependent one gets ``[N, 1, ..]``."""
-    zero = torch.zeros((), dtype=torch.long, device=q_pos.device)
-    if pattern.batch_dependent:
-        extra = max(q_pos.dim(), k_pos.dim())
-        b = torch.arange(n, device=q_pos.device).view(-1, *([1] * (extra + 1)))  # [N, 1, ..]
-        return pattern.mask_mod(b, zero, q_pos, k_pos)
-    return pattern.mask_mod(zero, zero, q_pos, k_pos)
 
 
 def check_blockwise_call(
@@ -198,8 +213,15 @@ def mask_spec(
     is_causal: bool,
     query_shape: tuple[int, ...],
     kv_len: int,
+    *,
+    device: torch.device | None = None,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> MaskSpec:
-    """Gather a call's mask into one :class:`MaskSpec`.
+    """Gather a call's mask and positions into one :class:`MaskSpec`.
+
+    Positions default to ``arange`` (torch's top-left alignment). Key positions make
+    the pattern at least ``full()``, so that empty keys (``-1``) are masked.
 
     Raises:
         ValueError: a batch-dependent pattern whose batch size does not match the inputs.
@@ -226,12 +248,19 @@ def mask_spec(
         dense = _flatten_mask(attn_mask, target)
     if is_causal:
         pattern = causal() if pattern is None else pattern & causal()
+    if pattern is None and k_positions is not None:
+        pattern = full()
+    L = query_shape[-2]
+    q_pos = default_positions(L, device=device) if q_positions is None else q_positions
+    k_pos = default_positions(kv_len, device=device) if k_positions is None else k_positions
     return MaskSpec(
         pattern=pattern,
         dense=dense,
         n=n,
-        q_len=query_shape[-2],
+        q_len=L,
         kv_len=kv_len,
+        q_pos=q_pos,
+        k_pos=k_pos,
         score_mods=mods,
     )
 
@@ -284,12 +313,12 @@ def weights_from_lse(
     r_idx = torch.arange(q.shape[2], device=dev) if rows is None else rows.to(dev)
     qs = q[:, h_idx][:, :, r_idx] * scale  # [N, h, r, E]
     scores = qs @ k[:, h_idx].transpose(-1, -2)  # [N, h, r, S]
+    q_pos = spec.q_pos[:, r_idx]  # [N|1, r]
     if spec.score_mods:
         n_idx = torch.arange(q.shape[0], device=dev).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
-        s_idx = torch.arange(k.shape[2], device=dev).view(1, -1)  # [1, S]
-        scores, _ = apply_score_mods(
-            spec.score_mods, scores, n_idx, h_idx.view(-1, 1, 1), r_idx.view(-1, 1), s_idx
-        )
+        qi = q_pos.unsqueeze(1).unsqueeze(-1)  # [N|1, 1, r, 1]
+        ki = spec.k_pos.unsqueeze(1).unsqueeze(-2)  # [N|1, 1, 1, S]
+        scores, _ = apply_score_mods(spec.score_mods, scores, n_idx, h_idx.view(-1, 1, 1), qi, ki)
     if spec.dense is not None:
         d = spec.dense
         d = d[:, h_idx] if d.shape[1] > 1 else d
@@ -299,12 +328,7 @@ def weights_from_lse(
         else:
             scores = scores + d.to(scores.dtype)
     if spec.pattern is not None:
-        allowed = pattern_allowed(
-            spec.pattern,
-            r_idx.view(-1, 1),
-            torch.arange(k.shape[2], device=dev).view(1, -1),
-            spec.n,
-        )
+        allowed = spec.pattern.evaluate(q_pos, spec.k_pos)  # [N|1, 1, r, S]
         scores = scores.masked_fill(~allowed, float("-inf"))
     row_lse = lse[:, h_idx][:, :, r_idx]  # [N, h, r]
     row_lse = row_lse.masked_fill(torch.isneginf(row_lse), float("inf"))

@@ -37,6 +37,7 @@ from torch import Tensor
 from attnlab.backends.blocks import check_blockwise_call, flatten_batch, mask_spec, weights_from_lse
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern
 
 __all__ = ["BLOCK_SIZE", "COMPILE_SECONDS", "flex_attention", "is_compiled"]
@@ -170,7 +171,7 @@ def flex_attention(
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("flex", attn_mask, dropout_p, needs_pattern=True)
-    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2], device=query.device)
     q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
     n, L, S = q.shape[0], q.shape[2], k.shape[2]
     user_pattern = attn_mask if isinstance(attn_mask, MaskPattern) else None
@@ -199,6 +200,13 @@ def flex_attention(
     scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gqa = q.shape[1] != k.shape[1]
     cpu = q.device.type == "cpu"
+    if gqa and cpu:
+        # torch 2.13's compiled CPU kernel mixes up rows when enable_gqa meets a per-batch
+        # block mask (a document pattern over 2 sequences, 4 query heads on 2 key heads:
+        # wrong rows in the second sequence); sharing the key heads by repetition is exact.
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
+        gqa = False
     score_mod = _score_mod(user_pattern) if spec.score_mods else None
     result = _flex()(
         q,
@@ -237,6 +245,8 @@ def _check(call: AttentionCall) -> str | None:
         return "takes a mask pattern, got a dense mask"
     if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
         return "empty query or key sequence"
+    if call.positions:
+        return "does not take q_positions/k_positions (its block mask is built per shape)"
     if call.dtype == torch.float64:
         return "FlexAttention's compiled kernels do not take float64"
     if call.device.type == "cpu":

@@ -155,6 +155,8 @@ def linear_attention(
 
 
 def _check(call: AttentionCall) -> str | None:
+    if call.positions:
+        return "has no per-pair mask to evaluate q_positions/k_positions on"
     if call.pattern is not None and call.pattern.score_mods:
         return "has no softmax scores to modify"
     if call.dropout_p > 0 or call.return_weights:

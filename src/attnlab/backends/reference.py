@@ -21,15 +21,27 @@ def reference_attention(
     enable_gqa: bool = False,
     *,
     return_weights: bool = False,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`attnlab.functional.sdpa_reference`, taking a pattern and its score modifiers too."""
+    """:func:`attnlab.functional.sdpa_reference`, taking a pattern and its score modifiers too.
+
+    The pattern is evaluated at the call's positions (``q_positions`` ``[B|1, L]``,
+    ``k_positions`` ``[B|1, S]``, ``-1`` = empty key; default ``arange``).
+    """
     mods: tuple = ()
     if isinstance(attn_mask, MaskPattern):
         mods = attn_mask.score_mods
         for m in mods:
             m.check_heads(query.shape[-3])
         target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
-        attn_mask = resolve_mask(attn_mask, target, device=query.device)
+        attn_mask = resolve_mask(
+            attn_mask._unscored(),
+            target,
+            device=query.device,
+            q_positions=q_positions,
+            k_positions=k_positions,
+        )
     return sdpa_reference(
         query,
         key,
@@ -41,6 +53,8 @@ def reference_attention(
         enable_gqa,
         return_weights=return_weights,
         score_mods=mods,
+        q_positions=q_positions,
+        k_positions=k_positions,
     )
 
 
@@ -58,6 +72,7 @@ REFERENCE = register(
         fn=reference_attention,
         check=_check,
         accepts_patterns=True,
+        accepts_positions=True,
         priority=1000,
         description="the full score matrix in float32/float64; runs every call and returns weights",
         cost=_cost,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.cost_model import Estimate
-from attnlab.functional._checks import check_attention_inputs
+from attnlab.functional._checks import check_attention_inputs, check_positions
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import MaskPattern
 
@@ -45,6 +45,7 @@ class AttentionCall:
     needs_grad: bool
     return_weights: bool
     mask_needs_grad: bool = False
+    positions: bool = False  # the call says where its queries/keys sit (q/k_positions)
 
     @classmethod
     def from_inputs(
@@ -58,7 +59,9 @@ class AttentionCall:
         is_causal: bool,
         enable_gqa: bool,
         return_weights: bool,
+        positions: bool = False,
     ) -> AttentionCall:
+        """Describe one call; ``positions`` says whether it carries q/k positions."""
         if attn_mask is None:
             kind = "none"
         elif isinstance(attn_mask, MaskPattern):
@@ -86,6 +89,7 @@ class AttentionCall:
                 and attn_mask.requires_grad
                 and torch.is_grad_enabled()
             ),
+            positions=positions,
         )
 
 
@@ -104,6 +108,9 @@ class Backend:
         exact: False for approximations (never chosen by ``auto``).
         accepts_patterns: True if ``fn`` takes a MaskPattern directly; otherwise the
             dispatcher passes the dense mask.
+        accepts_positions: True if ``fn`` takes ``q_positions``/``k_positions``; otherwise
+            the dispatcher folds them (with the pattern, ``is_causal`` and the empty
+            keys) into a dense mask, or the backend's check refuses calls with positions.
         priority: breaks ties between equal estimates (lower first), and orders
             :func:`available`.
         description: one line for ``explain``.
@@ -117,6 +124,7 @@ class Backend:
     check: Callable[[AttentionCall], str | None]
     exact: bool = True
     accepts_patterns: bool = False
+    accepts_positions: bool = False
     priority: int = 100
     description: str = ""
     cost: Callable[[AttentionCall], Estimate | None] | None = None
@@ -241,11 +249,14 @@ def explain(
     *,
     backend: str = "auto",
     return_weights: bool = False,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> Explanation:
     """Say which backend a call with these arguments would run, and why each other was not."""
     check_attention_inputs(
         query, key, value, enable_gqa=enable_gqa, dropout_p=dropout_p, scale=scale
     )
+    check_positions(q_positions, k_positions, query, key)
     call = AttentionCall.from_inputs(
         query,
         key,
@@ -255,8 +266,77 @@ def explain(
         is_causal=is_causal,
         enable_gqa=enable_gqa,
         return_weights=return_weights,
+        positions=q_positions is not None or k_positions is not None,
     )
     return _choose(call, backend)
+
+
+def _positions_mask(
+    call: AttentionCall,
+    attn_mask: AttnMask,
+    target: tuple[int, ...],
+    device: torch.device,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+) -> Tensor | None:
+    """For a backend without positions: pattern, ``is_causal`` and empty keys as one dense mask."""
+    from attnlab.functional.attention import pattern_mask, resolve_mask
+    from attnlab.functional.masks import causal, combine, full
+
+    pattern = attn_mask._unscored() if isinstance(attn_mask, MaskPattern) else None
+    dense = None if isinstance(attn_mask, MaskPattern) else attn_mask
+    if call.is_causal:
+        pattern = causal() if pattern is None else pattern & causal()
+    if pattern is None and k_positions is not None:
+        pattern = full()  # the empty keys (-1) still have to be masked
+    by_pos = None
+    if pattern is not None:
+        by_pos = pattern_mask(
+            pattern, target, device=device, q_positions=q_positions, k_positions=k_positions
+        )
+    return combine(resolve_mask(dense, target, device=device), by_pos)
+
+
+def _run(
+    b: Backend,
+    call: AttentionCall,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: AttnMask,
+    scale: float | None,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """Hand one call to backend ``b``, in the form of mask and positions it takes."""
+    from attnlab.functional.attention import resolve_mask
+
+    target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
+    is_causal = call.is_causal
+    extra: dict[str, Tensor | None] = {}
+    positions = q_positions is not None or k_positions is not None
+    if positions and b.accepts_positions:
+        extra = {"q_positions": q_positions, "k_positions": k_positions}
+    mask = attn_mask
+    if positions and not b.accepts_positions:
+        mask = _positions_mask(call, attn_mask, target, query.device, q_positions, k_positions)
+        is_causal = False
+    elif not (isinstance(attn_mask, MaskPattern) and b.accepts_patterns):
+        mask = resolve_mask(
+            attn_mask, target, device=query.device, q_positions=q_positions, k_positions=k_positions
+        )
+    return b.fn(
+        query,
+        key,
+        value,
+        mask,
+        call.dropout_p,
+        is_causal,
+        scale,
+        call.enable_gqa,
+        return_weights=call.return_weights,
+        **extra,
+    )
 
 
 def dispatch(
@@ -271,10 +351,10 @@ def dispatch(
     enable_gqa: bool,
     backend: str,
     return_weights: bool,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Run one (already validated) attention call on the chosen backend."""
-    from attnlab.functional.attention import resolve_mask
-
     call = AttentionCall.from_inputs(
         query,
         key,
@@ -284,20 +364,44 @@ def dispatch(
         is_causal=is_causal,
         enable_gqa=enable_gqa,
         return_weights=return_weights,
+        positions=q_positions is not None or k_positions is not None,
     )
     b = get(_choose(call, backend).chosen)
-    target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
-    mask = attn_mask
-    if not (isinstance(attn_mask, MaskPattern) and b.accepts_patterns):
-        mask = resolve_mask(attn_mask, target, device=query.device)
-    return b.fn(
-        query,
-        key,
-        value,
-        mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        return_weights=return_weights,
-    )
+    return _run(b, call, query, key, value, attn_mask, scale, q_positions, k_positions)
+
+
+def dispatch_trusted(
+    call: AttentionCall,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Run a call described once by ``call`` (the library's internal path: no re-validation).
+
+    A model builds one :class:`AttentionCall` per forward (shapes, dtype, mask kind,
+    pattern, grad mode) and every layer runs through it; the inputs were validated at
+    the entry the user called (``docs/contracts.md``, section 1).
+
+    Args:
+        call: the call's description; its ``pattern`` is the mask when ``attn_mask`` is None.
+        query: ``[B.., H, L, E]``.
+        key: ``[B.., H_kv, S, E]``.
+        value: ``[B.., H_kv, S, Ev]``.
+        attn_mask: a dense mask (when ``call.mask`` is ``"bool"`` or ``"float"``).
+        scale: score scale (default ``1/sqrt(E)``).
+        backend: ``"auto"`` or a backend name.
+        q_positions: long ``[B or 1, L]`` query positions, or None.
+        k_positions: long ``[B or 1, S]`` key positions (``-1`` empty), or None.
+
+    Returns:
+        ``(output [B.., H, L, Ev], weights or None)``.
+    """
+    b = get(_choose(call, backend).chosen)
+    mask: AttnMask = call.pattern if attn_mask is None else attn_mask
+    return _run(b, call, query, key, value, mask, scale, q_positions, k_positions)

@@ -35,7 +35,6 @@ from attnlab.backends.blocks import (
     compute_dtype,
     flatten_batch,
     mask_spec,
-    pattern_allowed,
     weights_from_lse,
 )
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
@@ -74,7 +73,9 @@ def _sparse_core(
     assert spec.pattern is not None and spec.dense is None
     N, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[-1]
-    needed, _ = spec.pattern.block_mask(L, S, block, block)  # [nq, nk]
+    needed, _ = spec.pattern.block_mask(
+        L, S, block, block, q_positions=spec.q_pos.cpu(), k_positions=spec.k_pos.cpu()
+    )  # [nq, nk]
     nq, nk = needed.shape
     dev = q.device
     q_pad = F.pad(q, (0, 0, 0, nq * block - L))  # [N, H, nq*b, E]
@@ -90,6 +91,9 @@ def _sparse_core(
     outs: list[Tensor] = []
     lses: list[Tensor] = []
     in_block = torch.arange(block, device=dev)
+    # Positions of the padded rows and of the gathered keys; the padding keys are empty (-1).
+    q_pos_pad = F.pad(spec.q_pos, (0, nq * block - L))  # [N|1, nq*b]
+    k_pos_pad = F.pad(spec.k_pos, (0, (nk + 1) * block - S), value=-1)  # [N|1, (nk+1)*b]
     for g0, g1 in _groups(counts, tiles_budget):
         width = max(1, max(counts[g0:g1]))
         idx = torch.full((g1 - g0, width), nk, dtype=torch.long)  # [g, K]
@@ -99,13 +103,16 @@ def _sparse_core(
         kg = kt[:, :, idx].reshape(N, H, g1 - g0, width * block, E)  # [N, H, g, K*b, E]
         vg = vt[:, :, idx].reshape(N, H, g1 - g0, width * block, Ev)  # [N, H, g, K*b, Ev]
         s = torch.matmul(qt[:, :, g0:g1], kg.transpose(-1, -2))  # [N, H, g, b, K*b]
-        q_pos = (torch.arange(g0, g1, device=dev).view(-1, 1) * block + in_block).unsqueeze(-1)
-        k_pos = (idx.unsqueeze(-1) * block + in_block).reshape(g1 - g0, 1, -1)  # [g, 1, K*b]
+        rows = torch.arange(g0 * block, g1 * block, device=dev).view(g1 - g0, block)  # [g, b]
+        keys = (idx.unsqueeze(-1) * block + in_block).reshape(g1 - g0, -1)  # [g, K*b]
+        q_pos, k_pos = q_pos_pad[:, rows], k_pos_pad[:, keys]  # [N|1, g, b], [N|1, g, K*b]
         if spec.score_mods:
             n_idx = torch.arange(N, device=dev).view(-1, 1, 1, 1, 1)  # [N, 1, 1, 1, 1]
             h_idx = torch.arange(H, device=dev).view(-1, 1, 1, 1)  # [H, 1, 1, 1]
-            s, _ = apply_score_mods(spec.score_mods, s, n_idx, h_idx, q_pos, k_pos)
-        allowed = pattern_allowed(spec.pattern, q_pos, k_pos, N) & (k_pos < S)  # [.., g, b, K*b]
+            qi = q_pos.unsqueeze(1).unsqueeze(-1)  # [N|1, 1, g, b, 1]
+            ki = k_pos.unsqueeze(1).unsqueeze(-2)  # [N|1, 1, g, 1, K*b]
+            s, _ = apply_score_mods(spec.score_mods, s, n_idx, h_idx, qi, ki)
+        allowed = spec.pattern.evaluate(q_pos, k_pos)  # [N|1, 1, g, b, K*b]
         grad = torch.is_grad_enabled() and s.requires_grad
         s = (
             s.masked_fill(~allowed, float("-inf"))
@@ -138,8 +145,13 @@ def sparse_attention(
     *,
     return_weights: bool = False,
     block: int = BLOCK,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Exact attention over only the blocks a mask pattern needs.
+
+    ``q_positions`` ``[N|1, L]`` and ``k_positions`` ``[N|1, S]`` (``-1`` = empty key)
+    place the queries and keys; the pattern and the score modifiers are evaluated on them.
 
     Shapes and conventions as :func:`attnlab.functional.sdpa_reference`. The mask
     must be a :class:`~attnlab.functional.masks.MaskPattern` and/or ``is_causal``
@@ -153,7 +165,15 @@ def sparse_attention(
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("sparse", attn_mask, dropout_p, needs_pattern=True)
-    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    spec = mask_spec(
+        attn_mask,
+        is_causal,
+        tuple(query.shape),
+        key.shape[-2],
+        device=query.device,
+        q_positions=q_positions,
+        k_positions=k_positions,
+    )
     if spec.pattern is None:
         spec.pattern = full()
     dtype = query.dtype
@@ -191,6 +211,7 @@ SPARSE = register(
         fn=sparse_attention,
         check=_check,
         accepts_patterns=True,
+        accepts_positions=True,
         cost=_cost,
         priority=40,
         description="gathers only the key blocks a pattern needs: time and memory ~ L*w",

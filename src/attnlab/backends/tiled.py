@@ -164,14 +164,19 @@ def _tiled_backward(
     block_q: int,
     block_k: int,
     max_span: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward pass: recompute each tile's probabilities from ``lse`` (FlashAttention-2, alg. 2)."""
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Backward pass: recompute each tile's probabilities from ``lse`` (FlashAttention-2, alg. 2).
+
+    Returns ``(dq, dk, dv, grads of the score modifiers' parameters)``.
+    """
     L = q.shape[2]
     delta = (dout * out).sum(dim=-1, keepdim=True)  # [N, H, L, 1]
     lse_safe = lse.masked_fill(torch.isneginf(lse), float("inf")).unsqueeze(-1)  # [N, H, L, 1]
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
+    learned = bool(spec.parameters)
+    dparams = [torch.zeros_like(p, dtype=q.dtype) for p in spec.parameters]
     tiles = _tile_lists(spec, block_q, block_k, q.device, max_span)
     for i, row in enumerate(tiles):
         if not row:
@@ -182,23 +187,31 @@ def _tiled_backward(
         dqi = torch.zeros_like(qi)
         for k0, k1, full in row:
             kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
-            s = torch.matmul(qi, kj.transpose(-1, -2))  # [N, H, lq, lk]
-            s, deriv = spec.modify(s, q0, q1, k0, k1, derivative=True)
+            raw = torch.matmul(qi, kj.transpose(-1, -2))  # [N, H, lq, lk]
+            s, deriv = spec.modify(raw, q0, q1, k0, k1, derivative=not learned)
             s = masked_scores(s, spec, q0, q1, k0, k1, full)
             p = s.sub_(lse_safe[:, :, q0:q1]).exp_()  # normalised probabilities
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), doi)
             dp = torch.matmul(doi, vj.transpose(-1, -2))  # [N, H, lq, lk]
             ds = p.mul_(dp.sub_(delta[:, :, q0:q1]))  # dS = P * (dP - rowsum(dO * O))
-            if deriv is not None:  # through the score modifiers (chain rule)
+            if learned:  # through the modifiers, to the scores and to their parameters
+                ds, grads = spec.modify_backward(raw, q0, q1, k0, k1, ds)
+                for acc_g, g in zip(dparams, grads, strict=True):
+                    acc_g += g.to(acc_g.dtype)
+            elif deriv is not None:  # through the score modifiers (chain rule)
                 ds = ds.mul_(deriv)
             dqi += torch.matmul(ds, kj)
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qi)
         dq[:, :, q0:q1] = dqi * scale
-    return dq, dk, dv
+    return dq, dk, dv, dparams
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Autograd wrapper: saves ``q, k, v, out, lse`` (``O(L + S)``), recomputes tiles."""
+    """Autograd wrapper: saves ``q, k, v, out, lse`` (``O(L + S)``), recomputes tiles.
+
+    The score modifiers' learned tensors (a T5 bias table) are passed as trailing
+    inputs, so that autograd routes their gradients.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -211,6 +224,7 @@ class _TiledAttention(torch.autograd.Function):
         block_q: int,
         block_k: int,
         max_span: int | None,
+        *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
         dtype = q.dtype
         cdt = compute_dtype(dtype)
@@ -225,11 +239,12 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qc, kc, vc, out, lse = ctx.saved_tensors
-        dq, dk, dv = _tiled_backward(
+        dq, dk, dv, dparams = _tiled_backward(
             qc, kc, vc, out, lse, dout.to(qc.dtype), ctx.spec, ctx.scale, *ctx.blocks
         )
         d = ctx.dtype
-        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None, None
+        grads = [g.to(p.dtype) for g, p in zip(dparams, ctx.spec.parameters, strict=True)]
+        return dq.to(d), dk.to(d), dv.to(d), None, None, None, None, None, *grads
 
 
 def tiled_attention(
@@ -246,12 +261,16 @@ def tiled_attention(
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
     max_span: int | None = None,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Exact attention by tiles with an online softmax (FlashAttention-2 in PyTorch).
 
     Shapes and conventions as :func:`attnlab.functional.sdpa_reference`; ``attn_mask``
     may also be a :class:`~attnlab.functional.masks.MaskPattern`, whose empty tiles
-    are skipped. ``dropout_p`` must be 0.
+    are skipped. ``dropout_p`` must be 0. ``q_positions`` ``[N|1, L]`` and
+    ``k_positions`` ``[N|1, S]`` (``-1`` = empty key) place the queries and keys; the
+    pattern, ``is_causal`` and the score modifiers are evaluated on them.
 
     Returns:
         ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)``; the weights are
@@ -261,13 +280,23 @@ def tiled_attention(
         ValueError: ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("tiled", attn_mask, dropout_p, needs_pattern=False)
-    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    spec = mask_spec(
+        attn_mask,
+        is_causal,
+        tuple(query.shape),
+        key.shape[-2],
+        device=query.device,
+        q_positions=q_positions,
+        k_positions=k_positions,
+    )
     q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
     if q.shape[1] != k.shape[1]:
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = _TiledAttention.apply(q, k, v, spec, scale, block_q, block_k, max_span)
+    out, lse = _TiledAttention.apply(
+        q, k, v, spec, scale, block_q, block_k, max_span, *spec.parameters
+    )
     out = out.reshape(*query.shape[:-1], value.shape[-1])  # [B.., H, L, Ev]
     weights = None
     if return_weights:
@@ -296,6 +325,7 @@ TILED = register(
         fn=tiled_attention,
         check=_check,
         accepts_patterns=True,
+        accepts_positions=True,
         cost=_cost,
         priority=30,
         description="FlashAttention-2 tiles with an online softmax; skips masked-out tiles",

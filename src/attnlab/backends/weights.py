@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnlab.backends.blocks import compute_dtype, flatten_batch, mask_spec, weights_from_lse
 from attnlab.backends.tiled import tiled_forward
-from attnlab.functional._checks import check_attention_inputs
+from attnlab.functional._checks import check_attention_inputs, check_positions
 from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern
 
@@ -44,6 +44,8 @@ def attention_weights(
     *,
     heads: Sequence[int] | Tensor | None = None,
     rows: Sequence[int] | Tensor | None = None,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention weights for the requested heads and query rows.
 
@@ -57,6 +59,8 @@ def attention_weights(
         enable_gqa: allow ``H_kv < H``.
         heads: query heads to return (default all).
         rows: query rows to return (default all).
+        q_positions: long ``[B or 1, L]`` query positions (default ``arange(L)``).
+        k_positions: long ``[B or 1, S]`` key positions, ``-1`` empty (default ``arange(S)``).
 
     Returns:
         ``[B.., len(heads), len(rows), S]``; equal to the corresponding slice of the
@@ -66,7 +70,16 @@ def attention_weights(
         ValueError: out-of-range heads or rows, or inputs that do not fit.
     """
     check_attention_inputs(query, key, key, enable_gqa=enable_gqa, dropout_p=0.0, scale=scale)
-    spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2])
+    q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
+    spec = mask_spec(
+        attn_mask,
+        is_causal,
+        tuple(query.shape),
+        key.shape[-2],
+        device=query.device,
+        q_positions=q_positions,
+        k_positions=k_positions,
+    )
     cdt = compute_dtype(query.dtype)
     with torch.no_grad():
         q, k = flatten_batch(query).to(cdt), flatten_batch(key).to(cdt)  # [N, H, *, E]

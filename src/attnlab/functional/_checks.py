@@ -136,3 +136,51 @@ def check_dense_mask(attn_mask: object, target: tuple[int, ...]) -> Tensor:
             f"attention scores' shape {target} (batch..., heads, query len, key len)"
         )
     return mask
+
+
+def check_positions(
+    q_positions: object, k_positions: object, query: Tensor, key: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    """Check the query/key positions of an attention call (``docs/contracts.md``, section 1).
+
+    ``q_positions`` is ``[B or 1, L]`` and ``k_positions`` ``[B or 1, S]``, integer, on
+    the inputs' device, where ``B`` is the flattened batch (the product of the dims
+    before the heads; 1 for 3-D inputs). Query positions are ``>= 0``; a key position
+    is ``>= 0``, or ``-1`` for an empty entry.
+
+    Returns:
+        The positions as long tensors (None stays None).
+
+    Raises:
+        TypeError: not a tensor, or not an integer dtype.
+        ValueError: a wrong shape, device, or a value out of range.
+    """
+    batch = 1
+    for d in query.shape[:-3]:
+        batch *= d
+    out: list[Tensor | None] = []
+    for name, pos, n, lowest in (
+        ("q_positions", q_positions, query.shape[-2], 0),
+        ("k_positions", k_positions, key.shape[-2], -1),
+    ):
+        if pos is None:
+            out.append(None)
+            continue
+        t = check_tensor(name, pos)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (long), got {t.dtype}")
+        if t.dim() != 2 or t.shape[1] != n or t.shape[0] not in (1, batch):
+            raise ValueError(
+                f"{name} must have shape [{batch} or 1, {n}] (batch, "
+                f"{'query' if lowest == 0 else 'key'} length), got {tuple(t.shape)}"
+            )
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, the inputs on {query.device}")
+        if t.numel() and int(t.min()) < lowest:
+            raise ValueError(
+                f"{name} must be >= {lowest}"
+                + (" (-1 marks an empty key)" if lowest < 0 else "")
+                + f", got a minimum of {int(t.min())}"
+            )
+        out.append(t.long())
+    return out[0], out[1]

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional._checks import check_attention_inputs, check_dense_mask
-from attnlab.functional.masks import MaskPattern
+from attnlab.functional._checks import check_attention_inputs, check_dense_mask, check_positions
+from attnlab.functional.masks import MaskPattern, default_positions
 from attnlab.functional.score_mods import ScoreMod
 
 __all__ = ["safe_softmax", "scaled_dot_product_attention", "sdpa_reference"]
@@ -45,27 +45,70 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x.repeat_interleave(n_rep, dim=-3)
 
 
+def position_grid(pos: Tensor, batch: tuple[int, ...], axis: str) -> Tensor:
+    """Positions ``[P, n]`` shaped to broadcast against scores ``[B.., H, L, S]``.
+
+    ``axis="q"`` gives ``[B.., 1, L, 1]`` and ``axis="k"`` ``[B.., 1, 1, S]``; one row
+    (``P = 1``) drops the batch dims.
+    """
+    n = pos.shape[-1]
+    lead = batch if pos.shape[0] > 1 else ()
+    return pos.reshape((*lead, 1, n, 1) if axis == "q" else (*lead, 1, 1, n))
+
+
+def pattern_mask(
+    pattern: MaskPattern,
+    target: tuple[int, ...],
+    *,
+    device: torch.device,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+) -> Tensor:
+    """A pattern evaluated at the call's positions, as a bool mask broadcasting to ``target``.
+
+    ``target`` is the scores' shape ``(B.., H, L, S)``; positions default to
+    ``arange`` (torch's top-left alignment).
+
+    Raises:
+        ValueError: a batch-dependent pattern built for another batch size.
+    """
+    batch = target[:-3]
+    if pattern.batch_dependent:
+        n = pattern.batch_size
+        if len(batch) != 1 or batch[0] != n:
+            raise ValueError(
+                f"pattern {pattern!r} was built for batch size {n}, but the inputs have "
+                f"batch dims {batch}"
+            )
+    L, S = target[-2], target[-1]
+    qp = default_positions(L, device=device) if q_positions is None else q_positions
+    kp = default_positions(S, device=device) if k_positions is None else k_positions
+    dense = pattern.evaluate(qp, kp)  # [P, 1, L, S]
+    if dense.shape[0] == 1:
+        return dense[0]  # [1, L, S]
+    return dense.reshape(*batch, 1, L, S)
+
+
 def resolve_mask(
-    attn_mask: AttnMask, target: tuple[int, ...], *, device: torch.device
+    attn_mask: AttnMask,
+    target: tuple[int, ...],
+    *,
+    device: torch.device,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> Tensor | None:
     """Return ``attn_mask`` as a dense bool/float tensor that broadcasts to ``target``.
 
-    ``target`` is the scores' shape ``(..., H, L, S)``; a pattern is made dense
-    with torch's top-left alignment (query ``i`` at position ``i``).
+    ``target`` is the scores' shape ``(..., H, L, S)``; a pattern is evaluated at the
+    call's positions (default: torch's top-left alignment, query ``i`` at position ``i``).
+    A dense mask is indexed by array position and passes through unchanged.
     """
     if attn_mask is None:
         return None
     if isinstance(attn_mask, MaskPattern):
-        dense = attn_mask.to_dense(target[-2], target[-1], device=device)
-        if attn_mask.batch_dependent:
-            batch = target[:-3]
-            n = attn_mask.batch_size
-            if len(batch) != 1 or batch[0] != n:
-                raise ValueError(
-                    f"pattern {attn_mask!r} was built for batch size {n}, but the inputs have "
-                    f"batch dims {batch}"
-                )
-        return dense
+        return pattern_mask(
+            attn_mask, target, device=device, q_positions=q_positions, k_positions=k_positions
+        )
     return check_dense_mask(attn_mask, target)
 
 
@@ -82,6 +125,8 @@ def sdpa_reference(
     return_weights: bool = False,
     q_offset: int = 0,
     score_mods: Sequence[ScoreMod] = (),
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The reference attention math: ``softmax(Q K^T * scale + mask) V``.
 
@@ -95,13 +140,18 @@ def sdpa_reference(
         attn_mask: dense bool (True = attend) or float (added) mask broadcasting to
             ``[B.., H, L, S]``.
         dropout_p: dropout on the attention weights (applied whenever > 0).
-        is_causal: causal mask, query ``i`` sees keys ``j <= i + q_offset``.
+        is_causal: causal mask by position: query at ``p`` sees keys at ``<= p``.
         scale: score scale, default ``1/sqrt(E)``.
         enable_gqa: repeat key/value heads to the query heads.
         return_weights: also return the softmax weights (before dropout).
-        q_offset: position of the first query for ``is_causal`` (0 = torch's top-left).
-        score_mods: score modifiers (ALiBi, soft-capping) applied to the scaled scores
-            before the mask, in order (see :mod:`attnlab.functional.score_mods`).
+        q_offset: position of the first query when ``q_positions`` is None (0 = torch's
+            top-left).
+        score_mods: score modifiers (ALiBi, soft-capping, T5 bias) applied to the scaled
+            scores before the mask, in order (see :mod:`attnlab.functional.score_mods`).
+        q_positions: long ``[B or 1, L]``, each query's position (default
+            ``q_offset + arange(L)``).
+        k_positions: long ``[B or 1, S]``, each key's position, ``-1`` for an empty
+            entry, never attended (default ``arange(S)``).
 
     Returns:
         ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)`` in the input dtype.
@@ -115,23 +165,25 @@ def sdpa_reference(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B.., H, L, S]
     L, S = scores.shape[-2], scores.shape[-1]
+    dev = scores.device
+    batch = tuple(scores.shape[:-3])
+    qp = default_positions(L, offset=q_offset, device=dev) if q_positions is None else q_positions
+    kp = default_positions(S, device=dev) if k_positions is None else k_positions
+    qi = position_grid(qp, batch, "q")  # [B.., 1, L, 1]
+    ki = position_grid(kp, batch, "k")  # [B.., 1, 1, S]
     if score_mods:
-        dev = scores.device
-        b = (
-            torch.arange(scores.shape[0], device=dev).view(-1, 1, 1, 1)
-            if scores.dim() == 4
-            else None
-        )
+        n = math.prod(batch)
+        b = torch.arange(n, device=dev).view(*batch, 1, 1, 1) if batch else None
         h = torch.arange(scores.shape[-3], device=dev).view(-1, 1, 1)  # [H, 1, 1]
-        qi = torch.arange(L, device=dev).view(-1, 1) + q_offset  # [L, 1]
-        ki = torch.arange(S, device=dev).view(1, -1)  # [1, S]
         b = torch.zeros((), dtype=torch.long, device=dev) if b is None else b
         for mod in score_mods:
             scores = mod(scores, b, h, qi, ki)
     allowed: Tensor | None = None
     if is_causal:
-        qpos = torch.arange(L, device=q.device).view(-1, 1) + q_offset
-        allowed = torch.arange(S, device=q.device).view(1, -1) <= qpos  # [L, S]
+        allowed = ki <= qi  # [B.., 1, L, S]
+    if k_positions is not None:
+        valid = ki >= 0  # an empty key is never attended
+        allowed = valid if allowed is None else allowed & valid
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = attn_mask if allowed is None else allowed & attn_mask
@@ -157,6 +209,8 @@ def scaled_dot_product_attention(
     *,
     backend: str = "auto",
     return_weights: bool = False,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention with torch's conventions and a safe fully-masked row.
 
@@ -172,7 +226,11 @@ def scaled_dot_product_attention(
       never NaN;
     * ``attn_mask`` may also be a :class:`~attnlab.functional.masks.MaskPattern`;
     * ``attn_mask`` and ``is_causal`` may be given together (their intersection);
-    * float16/bfloat16 inputs compute the softmax in float32.
+    * float16/bfloat16 inputs compute the softmax in float32;
+    * the call may say where its queries and keys sit (``q_positions``,
+      ``k_positions``): patterns, ``is_causal`` and score modifiers are evaluated on
+      those positions, so a cached decode step or a batch of rows of different
+      lengths needs no dense mask (``docs/contracts.md``, section 1).
 
     Args:
         query: ``[B.., H, L, E]``.
@@ -185,6 +243,10 @@ def scaled_dot_product_attention(
         enable_gqa: allow ``H_kv < H`` with ``H % H_kv == 0``.
         backend: ``"auto"`` or a registered backend name (see :mod:`attnlab.backends`).
         return_weights: also return the attention weights ``[B.., H, L, S]``.
+        q_positions: long ``[B or 1, L]``, each query's position (slot) in its row's
+            sequence; default ``arange(L)``. ``B`` is the flattened batch.
+        k_positions: long ``[B or 1, S]``, each key's position, ``-1`` for an empty
+            entry (never attended); default ``arange(S)``.
 
     Returns:
         The output ``[B.., H, L, Ev]``, or ``(output, weights)`` with ``return_weights``.
@@ -192,11 +254,12 @@ def scaled_dot_product_attention(
     Raises:
         TypeError: non-tensors, non-floating or mixed dtypes, an integer mask.
         ValueError: shapes that do not fit, a bad head ratio, a bad ``dropout_p``
-            or ``scale``, an unknown backend.
+            or ``scale``, positions of the wrong shape or range, an unknown backend.
     """
     check_attention_inputs(
         query, key, value, enable_gqa=enable_gqa, dropout_p=dropout_p, scale=scale
     )
+    q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
     # The registry sits one layer up (attnlab.backends); this call is the hook
     # through which the public functional entry point reaches it.
     from attnlab.backends import dispatch
@@ -212,6 +275,8 @@ def scaled_dot_product_attention(
         enable_gqa=enable_gqa,
         backend=backend,
         return_weights=return_weights,
+        q_positions=q_positions,
+        k_positions=k_positions,
     )
     if return_weights:
         assert weights is not None

@@ -17,10 +17,16 @@ Two kinds of objects live here:
   dense with :meth:`MaskPattern.to_dense` for tests and pictures. Backends that
   understand a pattern skip the blocks it masks out instead of building ``L x S``.
 
-Query positions: a pattern compares query position ``q_offset + i`` with key
-position ``j``. ``q_offset=0`` is torch's top-left alignment; cached decoding,
-where the ``L`` new queries are the last ``L`` of ``S`` keys, uses
-``q_offset = S - L`` (bottom-right alignment, as FlashAttention >= 2.1).
+Positions: a pattern is a predicate on (query position, key position) pairs, where
+a position is a token's slot in its row's sequence (left padding included). The
+attention call says where its queries and keys sit (``q_positions`` ``[B|1, L]``,
+``k_positions`` ``[B|1, S]``, ``-1`` for an empty key, see ``docs/contracts.md``);
+:meth:`MaskPattern.evaluate` is the one function that evaluates a pattern on them,
+used by ``to_dense``, by the tile geometry of :meth:`MaskPattern.block_mask` and by
+every backend. Without positions, queries sit at ``q_offset + i`` and keys at ``j``:
+``q_offset=0`` is torch's top-left alignment; cached decoding, where the ``L`` new
+queries are the last ``L`` of ``S`` keys, uses ``q_offset = S - L`` (bottom-right
+alignment, as FlashAttention >= 2.1).
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional._checks import check_tensor
@@ -39,6 +44,7 @@ __all__ = [
     "causal",
     "causal_mask",
     "combine",
+    "default_positions",
     "dilated",
     "document",
     "full",
@@ -187,70 +193,106 @@ def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 # ------------------------------------------------------------------------ patterns
 
+#: A distance beyond any position: the unbounded side of a window (causal's left).
+_FAR = 1 << 62
+#: Fill of an empty tile's key range (exact as a float, beyond any real position).
+_BIG = 1 << 40
 
-class _BlockRanges:
-    """First and last absolute positions of each query tile and key tile.
 
-    ``q_first``/``q_last`` are ``[nq, 1]`` (query positions include ``q_offset``),
-    ``k_first``/``k_last`` are ``[1, nk]``; the last tile of each may be short.
-    """
-
-    def __init__(
-        self,
-        q_len: int,
-        kv_len: int,
-        block_q: int,
-        block_k: int,
-        q_offset: int,
-        device: torch.device,
-    ) -> None:
-        self.q_len, self.kv_len = q_len, kv_len
-        self.block_q, self.block_k = block_q, block_k
-        self.q_offset, self.device = q_offset, device
-        self.nq = -(-q_len // block_q)
-        self.nk = -(-kv_len // block_k)
-        qs = torch.arange(self.nq, device=device) * block_q
-        ks = torch.arange(self.nk, device=device) * block_k
-        self.q_first = (qs + q_offset).view(-1, 1)  # [nq, 1]
-        self.q_last = ((qs + block_q).clamp(max=q_len) - 1 + q_offset).view(-1, 1)  # [nq, 1]
-        self.k_first = ks.view(1, -1)  # [1, nk]
-        self.k_last = ((ks + block_k).clamp(max=kv_len) - 1).view(1, -1)  # [1, nk]
-
-    def q_positions(self) -> Tensor:
-        return torch.arange(self.q_len, device=self.device) + self.q_offset
-
-    def k_positions(self) -> Tensor:
-        return torch.arange(self.kv_len, device=self.device)
-
-    def reduce_q(self, x: Tensor, op: str) -> Tensor:
-        """Reduce a per-query-position bool ``[.., L]`` to per-tile ``[.., nq]``."""
-        return _reduce_tiles(x, self.block_q, self.nq, op)
-
-    def reduce_k(self, x: Tensor, op: str) -> Tensor:
-        """Reduce a per-key-position bool ``[.., S]`` to per-tile ``[.., nk]``."""
-        return _reduce_tiles(x, self.block_k, self.nk, op)
+def default_positions(
+    n: int, *, offset: int = 0, device: torch.device | str | None = None
+) -> Tensor:
+    """Positions ``offset .. offset+n-1`` as a long ``[1, n]`` (torch's top-left when 0)."""
+    return (torch.arange(n, device=device) + offset).view(1, -1)
 
 
 def _reduce_tiles(x: Tensor, block: int, n_tiles: int, op: str) -> Tensor:
+    """Reduce the last dim ``[.., n]`` by tiles of ``block`` to ``[.., n_tiles]``.
+
+    ``op`` is ``"any"``, ``"all"``, ``"min"`` or ``"max"``; the ragged last tile is
+    padded with the operation's neutral value.
+    """
     pad = n_tiles * block - x.shape[-1]
-    x = F.pad(x, (0, pad), value=op == "all")
+    if pad:
+        fill: bool | int = {"any": False, "all": True, "min": _BIG, "max": -_BIG}[op]
+        x = torch.cat([x, x.new_full((*x.shape[:-1], pad), fill)], dim=-1)
     x = x.view(*x.shape[:-1], n_tiles, block)  # [.., n_tiles, block]
-    return x.any(-1) if op == "any" else x.all(-1)
+    if op == "any":
+        return x.any(-1)
+    if op == "all":
+        return x.all(-1)
+    return x.amin(-1) if op == "min" else x.amax(-1)
 
 
-def _tile_min_of(x: Tensor, block: int, n_tiles: int) -> Tensor:
-    pad = n_tiles * block - x.shape[-1]
-    x = F.pad(x, (0, pad), value=float(1 << 40))
-    return x.view(*x.shape[:-1], n_tiles, block).amin(-1)  # [.., n_tiles]
+class _BlockRanges:
+    """The tiles of one call's ``L x S`` score matrix, described by the positions they hold.
+
+    Built from query positions ``[P, L]`` and key positions ``[P, S]`` (``P`` is 1 or
+    the batch; a key at ``-1`` is an empty entry). Per tile it keeps the smallest and
+    largest query position (``q_first``/``q_last``, ``[P, nq, 1]``) and the smallest
+    and largest position of its valid keys (``k_first``/``k_last``, ``[P, 1, nk]``),
+    and whether any/all of its keys are valid (``k_any``/``k_all``, ``[P, 1, nk]``).
+    A pattern's ``_block_mask`` answers for the valid keys only;
+    :meth:`MaskPattern.block_mask` intersects with ``k_any``/``k_all``.
+    """
+
+    def __init__(self, q_pos: Tensor, k_pos: Tensor, block_q: int, block_k: int) -> None:
+        self.q_pos, self.k_pos = q_pos, k_pos  # [P, L], [P, S]
+        self.q_len, self.kv_len = q_pos.shape[-1], k_pos.shape[-1]
+        self.block_q, self.block_k = block_q, block_k
+        self.device = q_pos.device
+        self.nq = -(-self.q_len // block_q)
+        self.nk = -(-self.kv_len // block_k)
+        valid = k_pos >= 0
+        self.q_first = self.reduce_q(q_pos, "min").unsqueeze(-1)  # [P, nq, 1]
+        self.q_last = self.reduce_q(q_pos, "max").unsqueeze(-1)  # [P, nq, 1]
+        big = torch.full_like(k_pos, _BIG)
+        self.k_first = self.reduce_k(torch.where(valid, k_pos, big), "min").unsqueeze(-2)
+        self.k_last = self.reduce_k(torch.where(valid, k_pos, -big), "max").unsqueeze(-2)
+        self.k_any = self.reduce_k(valid, "any").unsqueeze(-2)  # [P, 1, nk]
+        self.k_all = self.reduce_k(valid, "all").unsqueeze(-2)  # [P, 1, nk]
+
+    def q_positions(self) -> Tensor:
+        return self.q_pos
+
+    def k_positions(self) -> Tensor:
+        return self.k_pos
+
+    def reduce_q(self, x: Tensor, op: str) -> Tensor:
+        """Reduce a per-query-position ``[.., L]`` to per-tile ``[.., nq]``."""
+        return _reduce_tiles(x, self.block_q, self.nq, op)
+
+    def reduce_k(self, x: Tensor, op: str) -> Tensor:
+        """Reduce a per-key-position ``[.., S]`` to per-tile ``[.., nk]``."""
+        return _reduce_tiles(x, self.block_k, self.nk, op)
 
 
 def _window_tiles(r: _BlockRanges, left: int, right: int) -> tuple[Tensor, Tensor]:
     """Tiles touched by ``-right <= q - k <= left`` (``left``/``right`` may be huge)."""
-    d_min = r.q_first - r.k_last  # [nq, nk] smallest q - k in the tile
-    d_max = r.q_last - r.k_first  # [nq, nk] largest q - k in the tile
+    d_min = r.q_first - r.k_last  # [P, nq, nk] smallest q - k in the tile
+    d_max = r.q_last - r.k_first  # [P, nq, nk] largest q - k in the tile
     any_ = (d_max >= -right) & (d_min <= left)
     all_ = (d_min >= -right) & (d_max <= left)
     return any_, all_
+
+
+def _positions_for(
+    q_len: int,
+    kv_len: int,
+    q_offset: int,
+    device: torch.device | str | None,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Query ``[P, L]`` and key ``[P, S]`` positions: the given ones, or contiguous defaults."""
+    if q_positions is None:
+        q_positions = default_positions(q_len, offset=q_offset, device=device)
+    if k_positions is None:
+        k_positions = default_positions(kv_len, device=device)
+    for name, pos, n in (("q_positions", q_positions, q_len), ("k_positions", k_positions, kv_len)):
+        if pos.dim() != 2 or pos.shape[-1] != n:
+            raise ValueError(f"{name} must be [B or 1, {n}], got shape {tuple(pos.shape)}")
+    return q_positions.long(), k_positions.long()
 
 
 class MaskPattern:
@@ -289,6 +331,43 @@ class MaskPattern:
         """Batch size a batch-dependent pattern was built for (None otherwise)."""
         return None
 
+    def evaluate(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The pattern on (query position, key position) pairs: the one evaluation function.
+
+        ``to_dense``, the tile geometry of :meth:`block_mask` and every backend's
+        element mask call this. A key at position ``-1`` is an empty entry (a cache
+        slot not written yet, a hole of a paged block) and is never attended,
+        whatever the pattern says.
+
+        Args:
+            q_pos: long ``[P, *, L]``, the position (slot) of each query; ``P`` is 1 or the batch.
+            k_pos: long ``[P, *, S]``, the position of each key, ``-1`` for empty.
+                ``*`` are optional extra dims shared with ``q_pos`` (gathered blocks).
+
+        Returns:
+            Bool ``[P', 1, *, L, S]``, True = attend; ``P'`` is the batch when the
+            positions or the pattern are per sequence, else 1.
+
+        Raises:
+            ValueError: positions for a batch other than the pattern's.
+        """
+        q = q_pos.unsqueeze(-1).unsqueeze(1)  # [P, 1, *, L, 1]
+        k = k_pos.unsqueeze(-2).unsqueeze(1)  # [P, 1, *, 1, S]
+        rows = max(q_pos.shape[0], k_pos.shape[0])
+        if self.batch_dependent:
+            n = self.batch_size or 1
+            if rows not in (1, n):
+                raise ValueError(
+                    f"pattern {self!r} was built for batch size {n}, but the positions "
+                    f"have {rows} rows"
+                )
+            rows = n
+        dev = q_pos.device
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        b = zero if rows == 1 else torch.arange(rows, device=dev).view(-1, *([1] * (q.dim() - 1)))
+        out = self.mask_mod(b, zero, q, k) & (k >= 0)
+        return out.expand(rows, 1, *torch.broadcast_shapes(q.shape[2:], k.shape[2:]))
+
     def to_dense(
         self,
         q_len: int,
@@ -296,31 +375,33 @@ class MaskPattern:
         *,
         q_offset: int = 0,
         device: torch.device | str | None = None,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
     ) -> Tensor:
         """Materialise the pattern.
 
         Args:
             q_len: number of queries ``L``.
             kv_len: number of keys ``S`` (default ``q_len``).
-            q_offset: absolute position of the first query (see the module docstring).
+            q_offset: absolute position of the first query (see the module docstring),
+                when ``q_positions`` is not given.
             device: where to build the mask.
+            q_positions: long ``[P, L]`` query positions (default ``q_offset + arange(L)``).
+            k_positions: long ``[P, S]`` key positions, ``-1`` empty (default ``arange(S)``).
 
         Returns:
-            Bool tensor ``(L, S)``, or ``(B, 1, L, S)`` for a batch-dependent pattern.
+            Bool tensor ``(L, S)``, or ``(P, 1, L, S)`` for a batch-dependent pattern or
+            per-row positions.
         """
         kv_len = q_len if kv_len is None else kv_len
         _check_len("q_len", q_len)
         _check_len("kv_len", kv_len)
         dev = device if device is not None else self._device()
-        q = torch.arange(q_len, device=dev).view(-1, 1) + q_offset  # [L, 1]
-        k = torch.arange(kv_len, device=dev).view(1, -1)  # [1, S]
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        if self.batch_dependent:
-            n = self.batch_size or 1
-            b = torch.arange(n, device=dev).view(-1, 1, 1, 1)  # [B, 1, 1, 1]
-            out = self.mask_mod(b, zero, q, k)
-            return out.expand(n, 1, q_len, kv_len)
-        return self.mask_mod(zero, zero, q, k).expand(q_len, kv_len)
+        qp, kp = _positions_for(q_len, kv_len, q_offset, dev, q_positions, k_positions)
+        out = self.evaluate(qp, kp)  # [P, 1, L, S]
+        if out.shape[0] == 1 and not self.batch_dependent:
+            return out[0, 0]
+        return out
 
     def density(self, q_len: int, kv_len: int | None = None, *, q_offset: int = 0) -> float:
         """Fraction of (query, key) pairs attended.
@@ -343,10 +424,11 @@ class MaskPattern:
         else:
             rows_at = torch.linspace(0, q_len - 1, 4096).round().long().unique()
         chunk = max(1, (1 << 22) // kv_len)
+        keys = default_positions(kv_len)
         total = 0
         for start in range(0, rows_at.numel(), chunk):
-            pos = rows_at[start : start + chunk] + q_offset
-            total += int(self._dense_rows(pos, kv_len).sum())
+            pos = (rows_at[start : start + chunk] + q_offset).view(1, -1)
+            total += int(self.evaluate(pos, keys).sum())
         return total / (n * rows_at.numel() * kv_len)
 
     def _row_counts(self, q_len: int, kv_len: int, q_offset: int) -> Tensor | None:
@@ -355,17 +437,6 @@ class MaskPattern:
 
     def _unscored(self) -> MaskPattern:
         return self
-
-    def _dense_rows(self, q_pos: Tensor, kv_len: int) -> Tensor:
-        """The pattern for the query positions ``q_pos`` ``[R]``: ``[R, S]`` or ``[B, 1, R, S]``."""
-        dev = q_pos.device
-        q = q_pos.view(-1, 1)  # [R, 1]
-        k = torch.arange(kv_len, device=dev).view(1, -1)  # [1, S]
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        if self.batch_dependent:
-            b = torch.arange(self.batch_size or 1, device=dev).view(-1, 1, 1, 1)  # [B, 1, 1, 1]
-            return self.mask_mod(b, zero, q, k).expand(b.shape[0], 1, q.shape[0], kv_len)
-        return self.mask_mod(zero, zero, q, k).expand(q.shape[0], kv_len)
 
     def block_mask(
         self,
@@ -376,30 +447,37 @@ class MaskPattern:
         *,
         q_offset: int = 0,
         device: torch.device | str | None = None,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Which ``block_q x block_k`` tiles of the ``L x S`` score matrix the pattern touches.
 
         This is what block-sparse kernels (FlashAttention's block skipping, Longformer-
         and BigBird-style sparse attention, FlexAttention's ``BlockMask``) need to
         know: a tile with no attended pair is skipped, and a tile whose pairs are all
-        attended needs no element mask. Closed forms cost ``O(L/block_q * S/block_k)``;
-        a pattern without one is evaluated in row chunks.
+        attended needs no element mask. The tiles are described by the positions they
+        hold (the smallest and largest query and key position), so the same closed
+        forms serve contiguous prefill, cached decoding and per-row slots with holes;
+        they cost ``O(L/block_q * S/block_k)``. A pattern without one is evaluated in
+        row chunks.
 
         Args:
             q_len: number of queries ``L``.
             kv_len: number of keys ``S``.
             block_q: rows per tile (the last tile may be shorter).
             block_k: keys per tile (the last tile may be shorter).
-            q_offset: absolute position of the first query.
+            q_offset: absolute position of the first query, when ``q_positions`` is not given.
             device: where to build the result.
+            q_positions: long ``[P, L]`` query positions (default ``q_offset + arange(L)``).
+            k_positions: long ``[P, S]`` key positions, ``-1`` empty (default ``arange(S)``).
 
         Returns:
             ``(any_, all_)``: bool ``[ceil(L/block_q), ceil(S/block_k)]``. ``any_`` is True
             where the tile may hold an attended pair (a superset of the truth, exact for
             the built-in patterns except dilated windows and combinations); ``all_`` is
-            True only where every pair of the tile is attended (a subset). A
-            batch-dependent pattern is reduced over its batch (``any`` of ``any_``,
-            ``all`` of ``all_``).
+            True only where every pair of the tile is attended (a subset). Per-row
+            positions and batch-dependent patterns are reduced over the batch (``any`` of
+            ``any_``, ``all`` of ``all_``).
         """
         for name, n in (("q_len", q_len), ("kv_len", kv_len)):
             _check_len(name, n)
@@ -407,30 +485,34 @@ class MaskPattern:
             if _check_len(name, n) < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        ranges = _BlockRanges(q_len, kv_len, block_q, block_k, q_offset, dev)
-        return self._block_mask(ranges)
+        qp, kp = _positions_for(q_len, kv_len, q_offset, dev, q_positions, k_positions)
+        r = _BlockRanges(qp.to(dev), kp.to(dev), block_q, block_k)
+        any_, all_ = self._block_mask(r)
+        any_, all_ = any_ & r.k_any, all_ & r.k_all
+        shape = torch.broadcast_shapes(any_.shape, all_.shape, (r.nq, r.nk))
+        any_, all_ = any_.expand(shape), all_.expand(shape)
+        while any_.dim() > 2:  # per sequence: a tile is needed if any sequence needs it
+            any_, all_ = any_.any(0), all_.all(0)
+        return any_.contiguous(), all_.contiguous()
 
     def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
         """Fallback: evaluate the pattern in chunks of query tiles and reduce."""
         nq, nk = r.nq, r.nk
-        any_ = torch.zeros(nq, nk, dtype=torch.bool, device=r.device)
-        all_ = torch.zeros(nq, nk, dtype=torch.bool, device=r.device)
+        rows = max(r.q_pos.shape[0], r.k_pos.shape[0])
+        if self.batch_dependent:
+            rows = self.batch_size or 1
+        any_ = torch.zeros(rows, nq, nk, dtype=torch.bool, device=r.device)
+        all_ = torch.zeros(rows, nq, nk, dtype=torch.bool, device=r.device)
         tiles_per_chunk = max(1, (1 << 22) // max(r.kv_len * r.block_q, 1))
-        pad_k = nk * r.block_k - r.kv_len
         for t0 in range(0, nq, tiles_per_chunk):
             t1 = min(nq, t0 + tiles_per_chunk)
             rows0, rows1 = t0 * r.block_q, min(t1 * r.block_q, r.q_len)
-            pos = torch.arange(rows0, rows1, device=r.device) + r.q_offset
-            dense = self._dense_rows(pos, r.kv_len)
-            if dense.dim() == 4:  # [B, 1, R, S]: a tile is needed if any sequence needs it
-                d_any, d_all = dense.any(0)[0], dense.all(0)[0]
-            else:
-                d_any = d_all = dense
-            pad_q = (t1 - t0) * r.block_q - (rows1 - rows0)
-            for src, dst, fill, red in ((d_any, any_, False, "any"), (d_all, all_, True, "all")):
-                x = F.pad(src, (0, pad_k, 0, pad_q), value=fill)  # [Rp, Sp]
-                x = x.view(t1 - t0, r.block_q, nk, r.block_k)  # [tq, bq, nk, bk]
-                dst[t0:t1] = x.any(3).any(1) if red == "any" else x.all(3).all(1)
+            dense = self.evaluate(r.q_pos[:, rows0:rows1], r.k_pos)[:, 0]  # [P, R, S]
+            dense = dense.transpose(-1, -2)  # [P, S, R]
+            tq = t1 - t0
+            for dst, op in ((any_, "any"), (all_, "all")):
+                x = _reduce_tiles(dense, r.block_q, tq, op).transpose(-1, -2)  # [P, tq, S]
+                dst[:, t0:t1] = _reduce_tiles(x, r.block_k, nk, op)
         return any_, all_
 
     def _device(self) -> torch.device | None:
@@ -592,7 +674,7 @@ class Causal(MaskPattern):
         return (q + 1).clamp(0, kv_len)
 
     def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
-        return _window_tiles(r, r.q_len + r.q_offset + r.kv_len, 0)
+        return _window_tiles(r, _FAR, 0)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -647,9 +729,9 @@ class GlobalTokens(MaskPattern):
 
     def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
         gq, gk = self._is_global(r.q_positions()), self._is_global(r.k_positions())
-        any_ = r.reduce_q(gq, "any")[:, None] | r.reduce_k(gk, "any")[None, :]
-        all_ = r.reduce_q(gq, "all")[:, None] | r.reduce_k(gk, "all")[None, :]
-        return any_, all_
+        any_ = r.reduce_q(gq, "any")[..., :, None] | r.reduce_k(gk, "any")[..., None, :]
+        all_ = r.reduce_q(gq, "all")[..., :, None] | r.reduce_k(gk, "all")[..., None, :]
+        return any_, all_  # [P, nq, nk]
 
     def __repr__(self) -> str:
         return f"global_tokens({self.indices.tolist()})"
@@ -717,25 +799,24 @@ class Document(MaskPattern):
     def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
         n_b = (self.batch_size or 1) if self.batch_dependent else 1
         b = torch.arange(n_b, device=r.device).view(-1, 1)  # [B, 1]
-        big = 1 << 40  # exact as a float (F.pad takes a float fill)
 
-        def ranges(pos: Tensor, block: int, n_tiles: int) -> tuple[Tensor, ...]:
-            d = self._lookup(b, pos.view(1, -1))  # [B, n]; -1 outside a document
+        def ranges(pos: Tensor, op: str) -> tuple[Tensor, ...]:
+            d = self._lookup(b, pos)  # [B', n]; -1 outside a document
             valid = d >= 0
-            lo = _tile_min_of(torch.where(valid, d, torch.full_like(d, big)), block, n_tiles)
-            hi = -_tile_min_of(torch.where(valid, -d, torch.full_like(d, big)), block, n_tiles)
-            v_any = _reduce_tiles(valid, block, n_tiles, "any")
-            v_all = _reduce_tiles(valid, block, n_tiles, "all")
-            return lo, hi, v_any, v_all  # each [B, n_tiles]
+            big = torch.full_like(d, _BIG)
+            reduce = r.reduce_q if op == "q" else r.reduce_k
+            lo = reduce(torch.where(valid, d, big), "min")
+            hi = reduce(torch.where(valid, d, -big), "max")
+            return lo, hi, reduce(valid, "any"), reduce(valid, "all")  # each [B', n_tiles]
 
-        qlo, qhi, q_any, q_all = ranges(r.q_positions(), r.block_q, r.nq)
-        klo, khi, k_any, k_all = ranges(r.k_positions(), r.block_k, r.nk)
+        qlo, qhi, q_any, q_all = ranges(r.q_positions(), "q")
+        klo, khi, k_any, k_all = ranges(r.k_positions(), "k")
         overlap = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
-        any_ = overlap & q_any[:, :, None] & k_any[:, None, :]  # [B, nq, nk]
+        any_ = overlap & q_any[:, :, None] & k_any[:, None, :]  # [B', nq, nk]
         same = (qlo == qhi)[:, :, None] & (klo == khi)[:, None, :]
         same = same & (qlo[:, :, None] == klo[:, None, :])
-        all_ = same & q_all[:, :, None] & k_all[:, None, :]  # [B, nq, nk]
-        return any_.any(0), all_.all(0)
+        all_ = same & q_all[:, :, None] & k_all[:, None, :]  # [B', nq, nk]
+        return any_, all_
 
     def __repr__(self) -> str:
         return f"document(shape={tuple(self.doc_ids.shape)})"
@@ -755,7 +836,7 @@ class PrefixLM(MaskPattern):
         return torch.maximum(q + 1, torch.full_like(q, self.prefix_len)).clamp(0, kv_len)
 
     def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
-        c_any, c_all = _window_tiles(r, r.q_len + r.q_offset + r.kv_len, 0)
+        c_any, c_all = _window_tiles(r, _FAR, 0)
         return c_any | (r.k_first < self.prefix_len), c_all | (r.k_last < self.prefix_len)
 
     def __repr__(self) -> str:
@@ -784,12 +865,14 @@ class Padding(MaskPattern):
         return got & inside & (q_idx == q_idx)
 
     def _block_mask(self, r: _BlockRanges) -> tuple[Tensor, Tensor]:
-        k = r.k_positions()
+        k = r.k_positions()  # [P, S]
         n = self.keep.shape[-1]
-        keep = self.keep.to(r.device)[:, k.clamp(max=max(n - 1, 0))] & (k < n)  # [B, S]
-        any_ = r.reduce_k(keep, "any").any(0)  # [nk]
-        all_ = r.reduce_k(keep, "all").all(0)
-        return any_.expand(r.nq, r.nk).clone(), all_.expand(r.nq, r.nk).clone()
+        b = torch.arange(self.keep.shape[0], device=r.device).view(-1, 1)  # [B, 1]
+        inside = (k >= 0) & (k < n)
+        keep = self.keep.to(r.device)[b, k.clamp(0, max(n - 1, 0))] & inside  # [B, S]
+        any_ = r.reduce_k(keep, "any").unsqueeze(-2)  # [B, 1, nk]
+        all_ = r.reduce_k(keep, "all").unsqueeze(-2)
+        return any_, all_
 
     def __repr__(self) -> str:
         return f"padding(shape={tuple(self.keep.shape)})"
