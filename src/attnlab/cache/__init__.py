@@ -1,4 +1,4 @@
-"""KV caches: contiguous (static and growing), sliding-window, and cross-attention caches."""
+"""KV caches: contiguous (static and growing), sliding-window, paged, and cross-attention caches."""
 
 from attnlab.cache.kv_cache import (
     CrossAttentionCache,
@@ -8,12 +8,17 @@ from attnlab.cache.kv_cache import (
     SlidingWindowKVCache,
     StaticKVCache,
 )
+from attnlab.cache.paged import BlockAllocator, OutOfBlocks, PagedKVCache, PagedKVPool
 
 __all__ = [
+    "BlockAllocator",
     "CrossAttentionCache",
     "DynamicKVCache",
     "KVCache",
     "ModelCache",
+    "OutOfBlocks",
+    "PagedKVCache",
+    "PagedKVPool",
     "SlidingWindowKVCache",
     "StaticKVCache",
 ]

@@ -22,6 +22,7 @@ SUBCOMMANDS: list[str] = [
     "visualize",
     "backends",
     "embed",
+    "serve",
 ]
 
 

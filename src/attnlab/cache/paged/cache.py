@@ -1,0 +1,112 @@
+"""One layer's view of a :class:`~attnlab.cache.paged.pool.PagedKVPool`: the cache protocol.
+
+Shape notation: ``B`` rows, ``H_kv`` key/value heads, ``L`` input positions of the
+step, ``T`` virtual slots of the step, ``h_d`` head dim.
+
+A :class:`PagedKVCache` is a :class:`~attnlab.cache.KVCache` like the contiguous
+caches, so every decoder (GPT-2, Llama, Mistral with its window, BLOOM) runs on it
+through its one forward: :meth:`update` writes the step's new keys/values into this
+layer's pool at the slots the block tables give, and returns every row's keys/values
+gathered through its block table in the step's left-padded layout (the gather-based
+reference path of PagedAttention, Kwon et al., 2023).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from attnlab.cache.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from attnlab.cache.paged.pool import PagedKVPool, SeqId, StepBatch
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache(KVCache):
+    """Layer ``layer`` of a paged pool; built by :class:`PagedKVPool`, not directly.
+
+    Used two ways:
+
+    * by the serving engine, which lays out each step with
+      :meth:`PagedKVPool.begin_step` (rows of different lengths) and passes the step's
+      ``input_ids``/``attention_mask`` to the model;
+    * as any other cache, ``model.generate(ids, cache=pool.model_cache())``: the first
+      layer starts an implicit step whose rows are the batch rows.
+
+    Args:
+        pool: the pool this layer reads and writes.
+        layer: the layer index.
+    """
+
+    def __init__(self, *, pool: PagedKVPool, layer: int) -> None:
+        super().__init__()
+        self.pool = pool
+        self.layer = layer
+
+    def key_slots(self, start: int, num_new: int, device: torch.device | None = None) -> Tensor:
+        return torch.arange(start + num_new, device=device)
+
+    def _step(self, batch: int, start: int, num_new: int) -> StepBatch:
+        step = self.pool.step
+        if self.layer == 0 and (step is None or self.pool._implicit):
+            step = self.pool.implicit_step(batch, start, num_new)
+        if step is None:
+            raise ValueError("the paged cache's first layer must run before the others")
+        if step.input_ids.shape[0] != batch or step.input_ids.shape[1] != num_new:
+            raise ValueError(
+                f"the step was laid out for {tuple(step.input_ids.shape)} (rows, new tokens), "
+                f"got keys for {(batch, num_new)}"
+            )
+        if start != step.start:
+            raise ValueError(f"the step starts at slot {step.start}, got start={start}")
+        return step
+
+    def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
+        if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                "key and value must be [batch, kv_heads, new_tokens, head_dim] with equal "
+                f"leading dims, got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        b, h, n, d = key.shape
+        step = self._step(b, start, n)
+        kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
+        if key.dtype != kp.dtype:
+            raise TypeError(f"keys are {key.dtype}, the paged pool holds {kp.dtype}")
+        k_new = key.transpose(1, 2).reshape(b * n, h, d)  # [B*L, H_kv, h_d]
+        v_new = value.transpose(1, 2).reshape(b * n, h, value.shape[-1])
+        if not step.all_new:
+            k_new, v_new = k_new.index_select(0, step.src), v_new.index_select(0, step.src)
+        kp.index_copy_(0, step.dst, k_new)
+        vp.index_copy_(0, step.dst, v_new)
+        t = step.total
+        keys = kp.index_select(0, step.gather).view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
+        values = vp.index_select(0, step.gather).view(b, t, h, -1).transpose(1, 2)
+        if self.pool._implicit:
+            self.length = start + n
+        return keys, values
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """Fork a sequence in every layer of the pool (block tables are shared by the layers)."""
+        self.pool.fork(parent, child)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep/reorder the batch rows of a plain model call (forks rows taken twice).
+
+        The layers share the block tables: the first layer's call does it for all.
+        """
+        if self.layer == 0:
+            self.pool.select_rows(rows)
+
+    def reset(self) -> None:
+        """Free every sequence of the pool (all layers: they share the block tables)."""
+        self.pool.reset()
+
+    def nbytes(self) -> int:
+        """Bytes of this layer's keys/values in the blocks held now."""
+        kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
+        per_slot = kp[0].numel() * kp.element_size() + vp[0].numel() * vp.element_size()
+        return self.pool.num_used_blocks * self.pool.block_size * per_slot

@@ -1,0 +1,83 @@
+"""``attnlab serve MODEL_DIR``: an OpenAI-compatible HTTP server over the paged engine.
+
+MODEL_DIR is a transformers-style folder (config.json, safetensors, tokenizer files) of
+any decoder attnlab converts. Needs the ``serve`` extra (FastAPI, uvicorn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a local decoder over the OpenAI HTTP API (completions, chat, streaming)",
+        description=(
+            "Serve MODEL_DIR over an OpenAI-compatible API: POST /v1/completions, "
+            "/v1/chat/completions, GET /v1/models, /health, /metrics."
+        ),
+    )
+    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a transformers model folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="model id (default: folder name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in (
+        "port",
+        "block_size",
+        "num_blocks",
+        "max_num_seqs",
+        "max_batched_tokens",
+        "max_waiting",
+        "threads",
+    ):
+        value = getattr(args, name)
+        if value is not None and value <= 0 and not (name == "port" and value == 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    try:
+        import uvicorn
+
+        from attnlab.serving.async_engine import AsyncEngine
+        from attnlab.serving.openai_api import build_app
+        from attnlab.serving.server import load_engine
+    except ImportError as e:
+        raise ImportError(
+            f"attnlab serve needs the serve extra: pip install 'attnlab[serve]' ({e})"
+        ) from e
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine, name = load_engine(
+        args.model_dir,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_waiting,
+    )
+    name = args.served_model_name or name
+    app = build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key)
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1 "
+        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens)",
+        file=sys.stderr,
+        flush=True,
+    )
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
+    return 0

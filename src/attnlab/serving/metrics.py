@@ -1,0 +1,162 @@
+"""Engine metrics: KV blocks, cache hits, waste, queue lengths, tokens/s, time to first token.
+
+:meth:`EngineMetrics.prometheus` renders them in the Prometheus text exposition
+format (version 0.0.4) for ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["EngineMetrics"]
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class EngineMetrics:
+    """Counters and gauges the engine updates at every step.
+
+    Attributes:
+        history: ``(seconds since start, blocks used, blocks total, waste)`` per step,
+            the last 100k steps (the KV-usage plot reads it).
+    """
+
+    requests_received: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    waste: float = 0.0
+    waste_sum: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    ttft_count: int = 0
+    ttft_sum: float = 0.0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(_TTFT_BUCKETS))
+    history: deque[tuple[float, int, int, float]] = field(
+        default_factory=lambda: deque(maxlen=100_000)
+    )
+    _start: float = field(default_factory=time.perf_counter)
+    _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def record_step(
+        self,
+        *,
+        seconds: float,
+        tokens: int,
+        used: int,
+        total: int,
+        waste: float,
+        running: int,
+        waiting: int,
+    ) -> None:
+        """Account one step."""
+        now = time.perf_counter()
+        self.steps += 1
+        self.step_seconds += seconds
+        self.blocks_used, self.blocks_total = used, total
+        self.waste = waste
+        self.waste_sum += waste
+        self.running, self.waiting = running, waiting
+        self.history.append((now - self._start, used, total, waste))
+        self._recent.append((now, tokens))
+
+    def record_ttft(self, seconds: float) -> None:
+        """Account one request's time to first token."""
+        self.ttft_count += 1
+        self.ttft_sum += seconds
+        for i, bound in enumerate(_TTFT_BUCKETS):
+            if seconds <= bound:
+                self.ttft_buckets[i] += 1
+
+    @property
+    def mean_waste(self) -> float:
+        """Waste averaged over the steps so far."""
+        return self.waste_sum / self.steps if self.steps else 0.0
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Tokens processed per second over the last ``window`` seconds."""
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in self._recent if now - t <= window]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    def prometheus(self, *, cache_hit_rate: float, blocks_free: int) -> str:
+        """The metrics in Prometheus text format."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, value: float) -> None:
+            lines.extend(
+                [
+                    f"# HELP attnlab_{name} {help_}",
+                    f"# TYPE attnlab_{name} {kind}",
+                    f"attnlab_{name} {value}",
+                ]
+            )
+
+        metric("requests_received_total", "counter", "Requests accepted.", self.requests_received)
+        metric("requests_finished_total", "counter", "Requests completed.", self.requests_finished)
+        metric(
+            "requests_aborted_total",
+            "counter",
+            "Requests aborted (client gone).",
+            self.requests_aborted,
+        )
+        metric(
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens of admitted requests.",
+            self.prompt_tokens,
+        )
+        metric(
+            "cached_prompt_tokens_total",
+            "counter",
+            "Prompt tokens served by the prefix cache.",
+            self.cached_prompt_tokens,
+        )
+        metric("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens)
+        metric(
+            "preemptions_total",
+            "counter",
+            "Sequences preempted for lack of KV blocks.",
+            self.preemptions,
+        )
+        metric("steps_total", "counter", "Engine steps.", self.steps)
+        metric("kv_blocks_used", "gauge", "KV blocks held by sequences.", self.blocks_used)
+        metric("kv_blocks_free", "gauge", "KV blocks free or evictable.", blocks_free)
+        metric("kv_cache_hit_rate", "gauge", "Prefix-cache block hits / lookups.", cache_hit_rate)
+        metric(
+            "kv_waste_ratio",
+            "gauge",
+            "Allocated KV slots holding no token / allocated slots.",
+            self.waste,
+        )
+        metric("requests_running", "gauge", "Sequences in the running batch.", self.running)
+        metric("requests_waiting", "gauge", "Sequences waiting for admission.", self.waiting)
+        metric(
+            "tokens_per_second",
+            "gauge",
+            "Tokens processed per second (last 10 s).",
+            round(self.tokens_per_second(), 3),
+        )
+        lines += [
+            "# HELP attnlab_time_to_first_token_seconds Time from arrival to the first token.",
+            "# TYPE attnlab_time_to_first_token_seconds histogram",
+        ]
+        for bound, count in zip(_TTFT_BUCKETS, self.ttft_buckets):
+            lines.append(f'attnlab_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')
+        lines.append(f'attnlab_time_to_first_token_seconds_bucket{{le="+Inf"}} {self.ttft_count}')
+        lines.append(f"attnlab_time_to_first_token_seconds_sum {self.ttft_sum}")
+        lines.append(f"attnlab_time_to_first_token_seconds_count {self.ttft_count}")
+        return "\n".join(lines) + "\n"
