@@ -229,28 +229,36 @@ def part_throughput(requests: int, max_new: int, batch: int) -> list[str]:
             outs += out[:, width:].tolist()
         return outs
 
+    ours_name = "attnlab Engine (continuous batching, paged)"
+    cb_name = "transformers generate_batch (continuous batching, paged)"
     runs = {
-        "attnlab Engine (continuous batching, paged)": run_attnlab,
-        "transformers generate_batch (continuous batching, paged)": run_generate_batch,
+        ours_name: run_attnlab,
+        cb_name: run_generate_batch,
         f"transformers generate, padded static batches of {batch}": run_static,
         "transformers generate, request by request": run_one_by_one,
     }
+    # the two continuous batchers twice, alternating; the best time of each counts
+    order = [ours_name, cb_name, *list(runs)[2:], ours_name, cb_name]
     with torch.inference_mode():
-        for name, fn in runs.items():
+        for name in order:
             t0 = time.perf_counter()
             try:
-                toks = fn()
+                toks = runs[name]()
             except Exception as e:  # a peer that cannot run here is reported, not fatal
                 print(f"{name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
-            results[name] = (time.perf_counter() - t0, toks)
-            print(f"{name}: {results[name][0]:.1f} s", file=sys.stderr, flush=True)
+            secs = time.perf_counter() - t0
+            print(f"{name}: {secs:.1f} s", file=sys.stderr, flush=True)
+            if name not in results or secs < results[name][0]:
+                results[name] = (secs, toks)
     ours_s, ours = results["attnlab Engine (continuous batching, paged)"]
     total = requests * max_new
     lines = [
         f"{requests} requests, prompts uniform in 16-128 tokens (seed 1), {max_new} new tokens each "
         f"(greedy), Llama hidden 512 / 8 layers / 8 heads / 2 KV heads / vocab 32000, float32, "
-        "random weights; one run, peers one after the other.",
+        f"random weights, {torch.get_num_threads()} torch thread(s); one run: attnlab, "
+        "generate_batch, static batches, request by request, attnlab, generate_batch; the "
+        "best time of each.",
         "",
         "| runner | seconds | generated tokens/s | attnlab speed-up | same greedy tokens |",
         "|---|---|---|---|---|",
@@ -520,8 +528,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--static-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     parts = args.part or ["waste", "sharing", "throughput", "load"]
     for part in parts:
         print(f"== {part}", file=sys.stderr, flush=True)
@@ -536,6 +547,8 @@ def main() -> None:
         print("\n".join(lines), flush=True)
         if args.update_docs:
             cmd = f"python benchmarks/serving.py --part {part} --requests {args.requests} --max-new {args.max_new}"
+            if args.threads:
+                cmd += f" --threads {args.threads}"
             machine = (
                 f"Machine: {machine_line()}; a shared machine, loaded by other runs at the time."
             )
