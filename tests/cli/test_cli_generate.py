@@ -43,7 +43,7 @@ def test_local_folder_with_ids_matches_the_library(
 def test_bad_sampling_settings_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["generate", "--random", "llama", "--ids", "1", "--sample", "--top-p", "2"])
     assert code == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p" in capsys.readouterr().err
 
 
 def test_local_folder_with_a_tokenizer_streams_text(

@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from attnlab._validate import check_positive_int, check_real
 from attnlab.analysis.arch import ArchSpec, describe, preset
 from attnlab.analysis.cost import CostReport, estimate, human_bytes, human_flops
 
@@ -198,12 +199,11 @@ def advise(
         raise ValueError(f"unknown task {task!r}; known: {list(TASKS)}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    if not memory_gb > 0:
-        raise ValueError(f"memory_gb must be > 0, got {memory_gb!r}")
-    if latency_ms is not None and not latency_ms > 0:
-        raise ValueError(f"latency_ms must be > 0, got {latency_ms!r}")
+    check_positive_int("seq_len", seq_len)
+    check_real("memory_gb", memory_gb, gt=0.0)
+    if latency_ms is not None:
+        check_real("latency_ms", latency_ms, gt=0.0)
+    check_positive_int("batch_size", batch_size)
     generative = task in ("generation", "realtime")
     mode = mode or ("inference" if generative else "training")
     if mode not in ("training", "inference"):

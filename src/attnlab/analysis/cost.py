@@ -35,6 +35,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from attnlab._validate import check_int, check_positive_int
 from attnlab.analysis.arch import ArchSpec, describe
 from attnlab.analysis.cost_layers import (
     BACKEND_TRAITS,
@@ -362,8 +363,18 @@ def estimate(
         ("seq_len", seq_len),
         ("new_tokens", new_tokens),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
+    if window is not None:
+        check_positive_int("window", window)
+    if cache_capacity is not None:
+        check_int("cache_capacity", cache_capacity, min_value=0)
+    if target_len is not None:
+        check_int("target_len", target_len, min_value=0)
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_TRAITS):
+        raise ValueError(
+            f"backend must be 'auto' or a backend the cost model knows, {sorted(BACKEND_TRAITS)}, "
+            f"got {backend!r} (a backend you registered needs register_backend_traits)"
+        )
     if mode not in ("inference", "training", "decode"):
         raise ValueError(f"mode must be 'inference', 'training' or 'decode', got {mode!r}")
     if optimizer not in (None, "adamw", "adam", "sgd", "momentum"):

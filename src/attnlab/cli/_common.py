@@ -1,14 +1,157 @@
-"""Helpers shared by subcommands: a progress display and loading a model with its tokenizer."""
+"""Helpers shared by subcommands: argument types, strict JSON output, a progress display,
+and loading a model with its tokenizer.
+
+The argument types (:func:`positive_int`, :func:`positive_float`, ...) run the library's
+number checks while argparse parses, so a malformed or out-of-range value ends in one
+line naming the argument and the value, with exit status 2.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from attnlab._validate import check_int, check_real
+
 T = TypeVar("T")
+
+# ------------------------------------------------------------------------- argument types
+
+
+def _number_type(
+    name: str, parse: Callable[[str], Any], check: Callable[[Any], Any]
+) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        try:
+            return check(value)
+        except (ValueError, TypeError) as e:
+            # "value must be ..., got ...": argparse prefixes the argument's name
+            raise argparse.ArgumentTypeError(str(e).removeprefix("value ")) from None
+
+    convert.__name__ = name.replace(" ", "_")
+    return convert
+
+
+positive_int = _number_type("a positive int", int, lambda v: check_int("value", v, min_value=1))
+nonnegative_int = _number_type("an int >= 0", int, lambda v: check_int("value", v, min_value=0))
+any_int = _number_type("an int", int, lambda v: check_int("value", v))
+positive_float = _number_type("a number > 0", float, lambda v: check_real("value", v, gt=0.0))
+probability_float = _number_type(
+    "a number in (0, 1]", float, lambda v: check_real("value", v, gt=0.0, le=1.0)
+)
+
+
+def token_ids(text: str) -> list[int]:
+    """``'1 2 3'`` (spaces or commas) as a list of ints >= 0, for ``--ids``."""
+    parts = text.replace(",", " ").split()
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected token ids such as '1 2 3', got {text!r}")
+    ids = []
+    for p in parts:
+        try:
+            ids.append(check_int("value", int(p), min_value=0))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected token ids (ints >= 0) such as '1 2 3', got {p!r} in {text!r}"
+            ) from None
+    return ids
+
+
+# ------------------------------------------------------------------------- strict JSON
+
+
+def strict_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by ``None``, and the reason recorded.
+
+    In each object that held such a value a key ``"non_finite"`` maps the field (with its
+    list index, as ``"values[3]"``) to ``"nan"``, ``"inf"`` or ``"-inf"``: strict JSON has
+    no NaN or Infinity, and a reader should still learn why a number is missing.
+    """
+
+    def fix(value: Any, path: str, found: dict[str, str]) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            return None
+        if isinstance(value, dict):
+            return fix_dict(value)
+        if isinstance(value, list | tuple):
+            return [fix(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+        return value
+
+    def fix_dict(d: dict[Any, Any]) -> dict[Any, Any]:
+        found: dict[str, str] = {}
+        out = {k: fix(v, str(k), found) for k, v in d.items()}
+        if found:
+            out["non_finite"] = found
+        return out
+
+    if isinstance(obj, dict):
+        return fix_dict(obj)
+    top: dict[str, str] = {}
+    fixed = fix(obj, "", top)
+    if top:  # a bare number or a list of numbers at the top: wrap to say why
+        return {"value": fixed, "non_finite": top}
+    return fixed
+
+
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as strict JSON (RFC 8259: no NaN/Infinity; see :func:`strict_json`)."""
+    print(json.dumps(strict_json(obj), indent=2, allow_nan=False))
+
+
+# ------------------------------------------------------------------------- output paths
+
+
+def writable_dir(arg: str, path: str | Path) -> Path:
+    """Create the output folder ``path`` (given as argument ``arg``) or fail naming both.
+
+    Raises:
+        OSError: the folder cannot be created or written; the message names ``arg``.
+    """
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".attnlab-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(
+            e.errno, f"{arg} {str(path)!r} is not a writable folder: {e.strerror}"
+        ) from None
+    return folder
+
+
+def writable_file(arg: str, path: str | Path) -> Path:
+    """Check that the output file ``path`` (argument ``arg``) can be written, before work starts.
+
+    Raises:
+        OSError: its folder is missing or not writable, or it names a folder.
+    """
+    file = Path(path)
+    parent = file.parent
+    if file.is_dir():
+        raise OSError(21, f"{arg} {str(path)!r} is a folder; give a file name")
+    if not parent.is_dir():
+        raise OSError(2, f"{arg} {str(path)!r}: the folder {str(parent)!r} does not exist")
+    existed = file.exists()
+    try:
+        with file.open("ab"):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"{arg} {str(path)!r} cannot be written: {e.strerror}") from None
+    if not existed:
+        file.unlink()
+    return file
 
 
 class Progress:
@@ -64,8 +207,15 @@ def load_model(path: str | None) -> tuple[Any, Any, str]:
     else:
         folder = Path(path)
         name = folder.name
+    # The model first: a missing or damaged folder is reported by attnlab, naming the file,
+    # before transformers' tokenizer loader looks for files (and fails less clearly).
+    model = attnlab.from_hf(folder).eval()
     tf = require_transformers()
     tf.utils.logging.disable_progress_bar()
-    tokenizer = tf.AutoTokenizer.from_pretrained(folder)
-    model = attnlab.from_hf(folder).eval()
+    try:
+        tokenizer = tf.AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        from attnlab.errors import ModelFileError
+
+        raise ModelFileError(f"{folder}: the tokenizer cannot be loaded: {e}") from None
     return model, tokenizer, name

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
+
+from attnlab.cli._common import positive_float, positive_int, print_json
 
 
 def add_parser(sub: Any) -> None:
@@ -31,11 +32,15 @@ def add_parser(sub: Any) -> None:
         choices=["classification", "long-document", "generation", "realtime"],
         help="what the model is for",
     )
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--memory-gb", type=float, required=True, help="memory budget in GiB")
-    p.add_argument("--latency-ms", type=float, help="latency budget (per forward / per token)")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--memory-gb", type=positive_float, required=True, help="memory budget in GiB")
+    p.add_argument(
+        "--latency-ms", type=positive_float, help="latency budget (per forward / per token)"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where it runs")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences at once (default 1)")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=1, help="sequences at once (default 1)"
+    )
     p.add_argument("--mode", choices=["training", "inference"], help="override what is costed")
     p.add_argument("--preset", help="start from this architecture (see attnlab estimate --help)")
     p.add_argument(
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode,
     )
     if args.json:
-        print(json.dumps(advice.to_dict(), indent=2))
+        print_json(advice.to_dict())
     else:
         print(advice.summary())
     return 0 if advice.fits else 1

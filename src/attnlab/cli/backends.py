@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import argparse
 
+from attnlab.cli._common import positive_int, print_json
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("backends", help="list attention backends; --explain shows auto's choice")
     p.add_argument("--explain", action="store_true", help="explain auto's choice for one call")
-    p.add_argument("--seq-len", type=int, default=4096, help="query and key length")
-    p.add_argument("--kv-len", type=int, default=None, help="key length (default: --seq-len)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA)")
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="query and key length")
+    p.add_argument(
+        "--kv-len", type=positive_int, default=None, help="key length (default: --seq-len)"
+    )
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=12)
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=positive_int, default=64)
     p.add_argument(
         "--mask",
         default="causal",
@@ -30,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad", action="store_true", help="gradients are needed (training)")
     p.add_argument("--weights", action="store_true", help="attention weights are returned")
     p.add_argument("--backend", default="auto", help="a backend name, or auto")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
 
 
@@ -59,10 +64,15 @@ def run(args: argparse.Namespace) -> int:
     from attnlab import backends
 
     if not args.explain:
-        for name in backends.available():
-            b = backends.get(name)
+        listed = [backends.get(name) for name in backends.available()]
+        if args.json:
+            print_json(
+                [{"name": b.name, "exact": b.exact, "description": b.description} for b in listed]
+            )
+            return 0
+        for b in listed:
             kind = "exact" if b.exact else "approximate"
-            print(f"{name:10s} {kind:12s} {b.description}")
+            print(f"{b.name:10s} {kind:12s} {b.description}")
         return 0
     kv_len = args.kv_len or args.seq_len
     kv_heads = args.kv_heads or args.heads
@@ -84,5 +94,8 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         return_weights=args.weights,
     )
-    print(e)
+    if args.json:
+        print_json({"chosen": e.chosen, "reasons": e.reasons})
+    else:
+        print(e)
     return 0

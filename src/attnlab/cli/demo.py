@@ -53,21 +53,25 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, {})
     import contextlib
     import io
-    import json
+
+    from attnlab.cli._common import print_json
 
     summary: dict[str, Any] = {}
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         code = _run(args, summary)
     summary["walkthrough"] = text.getvalue()
-    print(json.dumps(summary, indent=2))
+    print_json(summary)
     return code
 
 
 def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     """The walk-through; fills ``summary`` for ``--json`` (and shows progress then)."""
-    from attnlab.cli._common import Progress
+    from attnlab.cli._common import Progress, writable_dir
 
+    if not args.text.strip():
+        raise ValueError("--text is empty")
+    writable_dir("--out", args.out)
     progress = Progress(4 if args.no_compare else 5, quiet=not getattr(args, "json", False))
     progress.step("loading all-MiniLM-L6-v2")
     import torch

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
+
+from attnlab.cli._common import print_json
 
 FAULTS = ("nan-weights", "blank-mask", "float-mask", "overflow")
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     report = diagnose(model, batch)
     progress.step("done")
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print_json(report.to_dict())
         return 0 if report.ok else 1
     print(f"model: {name}; backend: {report.backend}")
     print(report.summary())

@@ -10,6 +10,8 @@ import json
 import sys
 from typing import Any
 
+from attnlab.cli._common import positive_int, print_json, writable_file
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -37,8 +39,8 @@ def add_parser(sub: Any) -> None:
         help="instead of --preset: a config JSON (attnlab's EncoderConfig, DecoderConfig or "
         "Seq2SeqConfig fields, or a Hugging Face config.json / model folder)",
     )
-    p.add_argument("--seq-len", type=int, help="one sequence length: print a full report")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--seq-len", type=positive_int, help="one sequence length: print a full report")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences (default 1)")
     p.add_argument(
         "--mode",
         choices=["inference", "training", "decode"],
@@ -52,10 +54,13 @@ def add_parser(sub: Any) -> None:
         help="attention backend costed: reference (builds the score matrix), sdpa, tiled, "
         "sparse, flex, linear (default auto)",
     )
-    p.add_argument("--window", type=int, help="causal sliding window of W keys")
+    p.add_argument("--window", type=positive_int, help="causal sliding window of W keys")
     p.add_argument("--checkpointing", action="store_true", help="per-layer gradient checkpointing")
     p.add_argument(
-        "--max-len", type=int, default=32768, help="table: longest sequence (default 32768)"
+        "--max-len",
+        type=positive_int,
+        default=32768,
+        help="table: longest sequence (default 32768)",
     )
     p.add_argument("--plot", metavar="PNG", help="table: also draw cost against sequence length")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -142,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.analysis.cost import estimate
     from attnlab.analysis.scaling import SEQ_LENS, scaling_table, tutorial_variants
 
+    if args.plot:  # before the work: an unwritable --plot fails at once
+        writable_file("--plot", args.plot)
     spec = _spec(args)
     if args.seq_len is not None:
         report = estimate(
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             checkpointing=args.checkpointing,
         )
         if args.json:
-            print(json.dumps(report.to_dict(), indent=2))
+            print_json(report.to_dict())
         else:
             print(report.summary())
             if report.mode == "training":
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         tutorial_variants(spec, window=args.window or 512), lens, batch_size=args.batch_size
     )
     if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=2))
+        print_json([asdict(r) for r in rows])
     else:
         print(
             f"{spec.name}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads "

@@ -8,9 +8,20 @@ tokenizer if the folder has one) or a random tiny model for a quick try, whose
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 from typing import Any
+
+from attnlab.cli._common import (
+    any_int,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    print_json,
+    probability_float,
+    token_ids,
+)
 
 RANDOM_ARCHS = ("gpt2", "llama", "mistral", "bloom", "t5")
 
@@ -27,14 +38,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--random", choices=RANDOM_ARCHS, help="a random tiny model of this architecture"
     )
     p.add_argument("--prompt", help="the prompt text")
-    p.add_argument("--ids", help="the prompt as space-separated token ids (instead of text)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--ids",
+        type=token_ids,
+        help="the prompt as token ids separated by spaces or commas (instead of text)",
+    )
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=32)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random model and sampler")
+    p.add_argument("--temperature", type=positive_float, default=1.0)
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=probability_float, default=None)
+    p.add_argument("--eos", type=nonnegative_int, default=None, help="end-of-sequence token id")
+    p.add_argument("--seed", type=any_int, default=0, help="seed of the random model and sampler")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the prompt and generated ids (and text) as JSON when done, not streamed",
+    )
     p.set_defaults(func=run)
 
 
@@ -84,7 +104,12 @@ def _tokenizer(folder: Path) -> Any:
         return None
     from attnlab.interop.hf import require_transformers
 
-    return require_transformers().AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return require_transformers().AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        from attnlab.errors import ModelFileError
+
+        raise ModelFileError(f"{folder}: the tokenizer cannot be loaded: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         model = random_model(args.random, args.seed)
         tokenizer = _Bytes()
     if args.ids is not None:
-        prompt = [int(t) for t in args.ids.split()]
+        prompt = list(args.ids)
     elif args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer files: pass the prompt with --ids")
@@ -108,10 +133,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("pass a prompt with --prompt TEXT or --ids '1 2 3'")
     if not prompt:
         raise ValueError("the prompt is empty")
+    vocab = model.config.vocab_size
+    if max(prompt) >= vocab:
+        raise ValueError(
+            f"--ids: token id {max(prompt)} is outside the model's vocabulary [0, {vocab})"
+        )
     eos = args.eos if args.eos is not None else getattr(model.config, "eos_token_id", None)
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.tensor([prompt])
-    out = sys.stdout
+    out: Any = sys.stdout if not args.json else io.StringIO()  # --json: print at the end
     # Decode the whole text each step and print what it adds: tokenizers join pieces
     # (spaces, multi-byte characters) only in context.
     context = [] if model.is_encoder_decoder else prompt
@@ -140,4 +170,9 @@ def run(args: argparse.Namespace) -> int:
             shown = text
         out.flush()
     out.write("\n")
+    if args.json:
+        result: dict[str, Any] = {"prompt_ids": prompt, "new_ids": new}
+        if tokenizer is not None:
+            result["text"] = tokenizer.decode(new)
+        print_json(result)
     return 0

@@ -28,17 +28,17 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     import torch
 
-    from attnlab.cli._common import Progress, load_model
+    from attnlab.cli._common import Progress, load_model, print_json, writable_dir
     from attnlab.viz.report import write_attention_pictures, write_index
 
     text = args.text.strip()
     if not text:
         raise ValueError("--text is empty")
+    writable_dir("--out", args.out)
     progress = Progress(4, quiet=args.json)
     progress.step("loading the model and tokenizer")
     model, tokenizer, name = load_model(args.model)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     progress.step("done")
     files = [str(index)] + [str(Path(args.out) / e.file) for e in entries]
     if args.json:
-        print(json.dumps({"index": str(index), "files": files}, indent=2))
+        print_json({"index": str(index), "files": files})
     else:
         print(f"{len(files)} files in {args.out}; open {index}")
         for f in files:

@@ -9,8 +9,27 @@ Shape notation: ``B`` batch dims, ``H`` query heads, ``H_kv`` key/value heads,
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+from attnlab._validate import check_int, check_positive_int, check_probability, check_real
+from attnlab.errors import NonFiniteError
+
+__all__ = [
+    "check_attention_inputs",
+    "check_binary_mask",
+    "check_dense_mask",
+    "check_finite_logits",
+    "check_int",
+    "check_positive_int",
+    "check_probability",
+    "check_real",
+    "check_scale",
+    "check_tensor",
+    "check_token_ids",
+]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -22,18 +41,95 @@ def check_tensor(name: str, x: object) -> Tensor:
     return x
 
 
-def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is an int > 0 (not a bool), else raise ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+def check_scale(value: object) -> float | None:
+    """The ``scale`` of an attention call: None (``1/sqrt(E)``) or a finite number > 0."""
+    if value is None:
+        return None
+    return check_real("scale", value, gt=0.0)
 
 
-def check_probability(name: str, value: object) -> float:
-    """Return ``value`` if it is a number in [0, 1), else raise ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    return float(value)
+def check_binary_mask(name: str, mask: object, shape: tuple[int, ...] | None = None) -> Tensor:
+    """Check a Hugging Face-style ``attention_mask``: 1 (token) / 0 (padding), ``(B, T)``.
+
+    The one check every model and ``generate`` apply to their ``attention_mask``. Any
+    bool, integer or floating dtype is accepted as long as the values are 0 and 1; an
+    additive float mask (0 / ``-inf``) is refused with a pointer to ``attn_mask``.
+
+    Args:
+        name: the argument's name, for the message.
+        mask: the mask.
+        shape: the expected ``(B, T)``, or None to check only the rank.
+
+    Returns:
+        ``mask`` unchanged.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not 2-D, a shape other than ``shape``, or values other than 0 and 1.
+    """
+    m = check_tensor(name, mask)
+    if m.dim() != 2 or (shape is not None and tuple(m.shape) != tuple(shape)):
+        want = f"(batch, seq_len) = {tuple(shape)}" if shape is not None else "(batch, seq_len)"
+        raise ValueError(f"{name} must be {want} of 1/0, got shape {tuple(m.shape)}")
+    if m.dtype != torch.bool:
+        bad = (m != 0) & (m != 1)  # NaN compares unequal to both: refused too
+        if bool(bad.any()):
+            values = torch.unique(m[bad])[:5].tolist()
+            raise ValueError(
+                f"{name} must hold only 1 (token) and 0 (padding), found {values}; an additive "
+                "float mask (0 / -inf) goes to attn_mask instead"
+            )
+    return m
+
+
+def check_token_ids(name: str, ids: object, vocab_size: int) -> Tensor:
+    """Check token ids given to a model: an integer ``(B, S)`` tensor, ``B, S > 0``, in range.
+
+    Raises:
+        TypeError: not a tensor, or not an integer dtype.
+        ValueError: not 2-D, no tokens (``B`` or ``S`` is 0), or ids outside ``[0, vocab_size)``.
+    """
+    t = check_tensor(name, ids)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be (batch, seq_len), got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(
+            f"{name} holds no tokens (shape {tuple(t.shape)}); a model needs at least one "
+            "token per row"
+        )
+    lo, hi = torch.aminmax(t)
+    if int(lo) < 0 or int(hi) >= vocab_size:
+        raise ValueError(
+            f"{name} must be in [0, vocab_size={vocab_size}), got values in [{int(lo)}, {int(hi)}]"
+        )
+    return t
+
+
+def check_finite_logits(logits: Tensor, *, step: int) -> None:
+    """Refuse logits a token cannot be chosen from: NaN, ``+inf``, or a row all ``-inf``.
+
+    One reduction over the vocabulary and one host sync, run once per decoding step
+    outside any compiled region. ``-inf`` entries alone are fine (masked tokens).
+
+    Args:
+        logits: ``[B, V]`` of one step.
+        step: the step (0 = the token after the prompt), named in the message.
+
+    Raises:
+        NonFiniteError: the message names the step, the rows and what was found.
+    """
+    top = logits.amax(dim=-1)  # [B]; NaN and +inf propagate, an all -inf row stays -inf
+    bad = ~torch.isfinite(top)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten()[:8].tolist()
+        found = sorted({"NaN" if math.isnan(v) else str(v) for v in top[bad].tolist()})
+        raise NonFiniteError(
+            f"decoding step {step}: the logits of row(s) {rows} hold no finite maximum "
+            f"(found {', '.join(found)}), so no token can be chosen; the model computed "
+            "non-finite values (check its weights or run attnlab.analysis.diagnose on it)"
+        )
 
 
 def check_attention_inputs(
@@ -106,10 +202,8 @@ def check_attention_inputs(
             raise ValueError(
                 f"query heads ({h_q}) must be divisible by key/value heads ({h_kv}) for GQA"
             )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be a positive number or None, got {scale}")
+    check_probability("dropout_p", dropout_p)
+    check_scale(scale)
 
 
 def check_dense_mask(attn_mask: object, target: tuple[int, ...]) -> Tensor:

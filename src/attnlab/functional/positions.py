@@ -16,11 +16,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from attnlab.functional._checks import check_int, check_real
+
 __all__ = [
     "ROPE_TYPES",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
+    "check_rope_parameters",
     "rope_angles",
     "rope_inv_freq",
     "sinusoidal_table",
@@ -61,6 +64,79 @@ def sinusoidal_table(num_positions: int, dim: int, *, base: float = 10000.0) -> 
 
 
 # --------------------------------------------------------------------------- RoPE
+
+
+def check_rope_parameters(
+    base: object, scaling: object, *, theta_name: str = "rope_theta"
+) -> dict[str, Any]:
+    """Check RoPE's base and scaling parameters; return the parameters as a dict.
+
+    Pure Python (no tensor is touched): configs call it at construction and
+    :func:`rope_inv_freq` on every use, so a bad value is refused where it enters.
+
+    Args:
+        base: ``rope_theta``: a finite number >= 1 (below 1 the frequencies exceed one
+            radian per token; 0 gives none at all).
+        scaling: ``None`` or a transformers-style ``rope_parameters`` mapping: ``factor``
+            (finite, >= 1; required except for ``"yarn"``, which derives it),
+            ``original_max_position_embeddings`` (positive int), ``low_freq_factor`` and
+            ``high_freq_factor`` (``"llama3"``, finite, ``0 < low < high``),
+            ``attention_factor``/``beta_fast``/``beta_slow`` (finite, > 0) and
+            ``mscale``/``mscale_all_dim`` (finite) for ``"yarn"``.
+        theta_name: the name ``base`` has where the user gave it, for messages.
+
+    Raises:
+        TypeError: ``scaling`` is not a mapping, or a field is not a number.
+        ValueError: an unknown ``rope_type``, a missing field, or a value out of range.
+    """
+    check_real(theta_name, base, ge=1.0)
+    if scaling is None:
+        return {}
+    if not isinstance(scaling, Mapping):
+        raise TypeError(
+            f"rope_scaling must be a dict such as {{'rope_type': 'linear', 'factor': 2.0}} or "
+            f"None, got {scaling!r} ({type(scaling).__name__})"
+        )
+    params = dict(scaling)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"unknown RoPE scaling type {rope_type!r} in rope_scaling; accepted: {list(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return params
+    factor = params.get("factor")
+    if factor is None and rope_type != "yarn":
+        raise ValueError(
+            f"rope_scaling of type {rope_type!r} needs a 'factor' (a number >= 1, the context "
+            f"extension), got {params}"
+        )
+    if factor is not None:
+        check_real(f"rope_scaling['factor'] ({rope_type})", factor, ge=1.0)
+    if params.get("original_max_position_embeddings") is not None:
+        check_int(
+            "rope_scaling['original_max_position_embeddings']",
+            params["original_max_position_embeddings"],
+            min_value=1,
+        )
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if key not in params:
+                raise ValueError(f"llama3 rope_scaling needs {key!r}; got {params}")
+            check_real(f"rope_scaling[{key!r}]", params[key], gt=0.0)
+        if not params["high_freq_factor"] > params["low_freq_factor"]:
+            raise ValueError(
+                "llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
+                f"{params['high_freq_factor']!r} and {params['low_freq_factor']!r}"
+            )
+    if rope_type == "yarn":
+        for key in ("attention_factor", "beta_fast", "beta_slow"):
+            if params.get(key) is not None:
+                check_real(f"rope_scaling[{key!r}]", params[key], gt=0.0)
+        for key in ("mscale", "mscale_all_dim"):
+            if params.get(key) is not None:
+                check_real(f"rope_scaling[{key!r}]", params[key])
+    return params
 
 
 def _base_inv_freq(dim: int, base: float) -> Tensor:
@@ -107,17 +183,13 @@ def rope_inv_freq(
     Raises:
         ValueError: an odd ``dim``, an unknown ``rope_type`` or missing/invalid fields.
     """
-    if dim <= 0 or dim % 2:
-        raise ValueError(f"rotary dim must be a positive even number, got {dim}")
-    params = dict(scaling or {})
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:
+        raise ValueError(f"rotary dim must be a positive even int, got {dim!r}")
+    params = check_rope_parameters(base, scaling, theta_name="base")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unknown RoPE scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
     if rope_type == "default":
         return _base_inv_freq(dim, base), 1.0
     factor = params.get("factor")
-    if rope_type != "yarn" and (not isinstance(factor, int | float) or factor < 1):
-        raise ValueError(f"RoPE scaling {rope_type!r} needs factor >= 1, got {factor!r}")
     original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
     if rope_type == "linear":
         assert factor is not None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab.functional._checks import check_finite_logits, check_int, check_real
+
 __all__ = ["check_sampling", "next_token", "top_k_filter", "top_p_filter"]
 
 
@@ -17,15 +19,16 @@ def check_sampling(
     """Validate sampling settings.
 
     Raises:
-        ValueError: ``temperature <= 0`` with sampling, ``top_k < 1``, or ``top_p``
-            outside ``(0, 1]``.
+        TypeError: a setting that is not a number.
+        ValueError: ``temperature`` not finite and > 0 with sampling, ``top_k < 1``, or
+            ``top_p`` outside ``(0, 1]`` (NaN included).
     """
-    if do_sample and not (isinstance(temperature, int | float) and temperature > 0):
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, int | float) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if do_sample:
+        check_real("temperature", temperature, gt=0.0)
+    if top_k is not None:
+        check_int("top_k", top_k, min_value=1)
+    if top_p is not None:
+        check_real("top_p", top_p, gt=0.0, le=1.0)
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
@@ -64,6 +67,7 @@ def next_token(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    step: int = 0,
 ) -> Tensor:
     """The next token of each row: argmax, or a sample after temperature, top-k and top-p.
 
@@ -76,10 +80,17 @@ def next_token(
         top_k: keep the ``k`` most likely tokens (sampling only).
         top_p: keep the nucleus of mass ``p`` (sampling only).
         generator: the random generator (for reproducible samples).
+        step: the decoding step, named in the error on non-finite logits.
 
     Returns:
         Long ``[B]``.
+
+    Raises:
+        NonFiniteError: a row's logits hold NaN or ``+inf``, or are all ``-inf`` (one
+            reduction and one host sync per call; see
+            :func:`attnlab.functional._checks.check_finite_logits`).
     """
+    check_finite_logits(logits, step=step)
     if not do_sample:
         return logits.argmax(dim=-1)
     scores = logits.float() / temperature

@@ -10,13 +10,14 @@ and generation stops when every row has finished or after ``max_new_tokens``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
 from attnlab.functional.sampling import check_sampling, next_token
 from attnlab.functional.slot_masks import positions_from_mask
 from attnlab.generation.fast_step import fast_step_for
@@ -40,14 +41,9 @@ def _check_inputs(
             f"input_ids must be a non-empty integer (batch, prompt_len) tensor, got "
             f"{input_ids.dtype} {tuple(input_ids.shape)}"
         )
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 0
-    ):
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, min_value=0)
     if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask)
+        check_binary_mask("attention_mask", attention_mask)
         if attention_mask.shape[0] != input_ids.shape[0]:
             raise ValueError(
                 f"batch sizes differ: input_ids has {input_ids.shape[0]} rows, attention_mask "
@@ -111,6 +107,8 @@ def stream(
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
 
+    steps = itertools.count()
+
     def choose(logits: Tensor) -> Tensor:
         return next_token(
             logits[:, -1],
@@ -119,6 +117,7 @@ def stream(
             top_k=top_k,
             top_p=top_p,
             generator=generator,
+            step=next(steps),
         )
 
     if getattr(model, "is_encoder_decoder", False):

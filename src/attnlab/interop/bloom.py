@@ -39,8 +39,8 @@ def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig
         # ALiBi has no position table; generation only needs a length limit.
         max_position_embeddings=cfg.get("seq_length") or 2048,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-        hidden_dropout=float(cfg.get("hidden_dropout", 0.0)),
+        attention_dropout=cfg.get("attention_dropout", 0.0),
+        hidden_dropout=cfg.get("hidden_dropout", 0.0),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab.errors import ModelFileError
 from attnlab.interop.checkpoints import load_safetensors_dir, read_config
 
 __all__ = [
@@ -146,15 +147,29 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
     if isinstance(model_or_local_dir, str | Path):
         folder = Path(model_or_local_dir)
         if not folder.is_dir():
-            raise ValueError(f"{folder} is not a folder; pass a local model folder or a model")
+            what = "does not exist" if not folder.exists() else "is not a folder"
+            raise ModelFileError(
+                f"{folder} {what}; pass a local model folder (config.json + safetensors) or a "
+                "transformers model"
+            )
         cfg = read_config(folder)
-        arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+        archs = cfg.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else str(cfg["model_type"])
         conv = _converter(str(cfg.get("model_type")), arch)
         weights = load_safetensors_dir(folder)
         prefix = conv.hf_classes.get(arch, "")
         if not prefix and conv.base_prefix and any(k.startswith(conv.base_prefix) for k in weights):
             prefix = conv.base_prefix
-        model = _assemble(conv, cfg, weights, prefix, source=str(folder), strict_extra=False)
+        model = _assemble(
+            conv,
+            cfg,
+            weights,
+            prefix,
+            source=str(folder),
+            strict_extra=False,
+            error=ModelFileError,
+            config_file=str(folder / "config.json"),
+        )
         if conv.folder_extras is not None:
             conv.folder_extras(model, folder)
         return model
@@ -185,12 +200,25 @@ def _assemble(
     *,
     source: str,
     strict_extra: bool,
+    error: type[ValueError] = ValueError,
+    config_file: str | None = None,
 ) -> nn.Module:
     if prefix:
         weights = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in weights.items()}
-    config = conv.config_from_hf(cfg, set(weights))
+    try:
+        config = conv.config_from_hf(cfg, set(weights))
+    except KeyError as e:
+        raise error(
+            f"{config_file or source}: lacks the field {e.args[0]!r}, which a "
+            f"{conv.model_type} config needs"
+        ) from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise error(f"{config_file or source}: {e}") from None
     if conv.weights_from_hf is not None:
-        weights = conv.weights_from_hf(weights, config)
+        try:
+            weights = conv.weights_from_hf(weights, config)
+        except KeyError as e:
+            raise error(f"{source}: weight {e.args[0]!r} is missing") from None
     model = conv.build(config)
     mapping = conv.key_map(model)
     own = model.state_dict()
@@ -200,7 +228,7 @@ def _assemble(
         if theirs in weights:
             t = weights[theirs]
             if t.shape != own[ours].shape:
-                raise ValueError(
+                raise error(
                     f"{source}: weight {theirs} has shape {tuple(t.shape)}, the config implies "
                     f"{tuple(own[ours].shape)} for {ours}"
                 )
@@ -208,7 +236,7 @@ def _assemble(
         else:
             missing.append(theirs)
     if missing:
-        raise ValueError(f"{source}: weights missing for {missing}")
+        raise error(f"{source}: weights missing for {missing}")
     used = set(mapping.values())
     extra = sorted(k for k in weights if k not in used and not _is_buffer_key(k))
     if extra:

@@ -26,7 +26,11 @@ _UNSUPPORTED_ROPE_KEYS = ("partial_rotary_factor",)
 def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, scaling or None)`` from a transformers config dict."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)) or 10000.0)
+    theta = params.pop("rope_theta", None)
+    if theta is None:  # absent (or null): transformers' default; any value given is checked
+        theta = cfg.get("rope_theta")
+    if theta is None:
+        theta = 10000.0
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     for key in _UNSUPPORTED_ROPE_KEYS:
@@ -63,7 +67,7 @@ def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        attention_dropout=cfg.get("attention_dropout", 0.0),
         pad_token_id=cfg.get("pad_token_id"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=_first(cfg.get("eos_token_id")),

@@ -47,7 +47,7 @@ def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> Seq2SeqConfig
         mlp=mlp,
         dense_act_fn=act,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        dropout_rate=float(cfg.get("dropout_rate", 0.0)),
+        dropout_rate=cfg.get("dropout_rate", 0.0),
         pad_token_id=cfg.get("pad_token_id", 0),
         eos_token_id=cfg.get("eos_token_id", 1),
         decoder_start_token_id=cfg.get("decoder_start_token_id", 0) or 0,

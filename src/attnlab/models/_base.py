@@ -7,6 +7,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Self
 
+from attnlab.functional._checks import check_int
+
 
 class ConfigBase:
     """Mixin for the config dataclasses (:class:`EncoderConfig`, :class:`DecoderConfig`, ...)."""
@@ -18,7 +20,16 @@ class ConfigBase:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        """Build from a dict, rejecting unknown keys by name."""
+        """Build from a dict, rejecting unknown keys by name.
+
+        Raises:
+            TypeError: ``data`` is not a dict.
+            ValueError: unknown keys, or values the config refuses.
+        """
+        if not isinstance(data, dict):
+            raise TypeError(
+                f"{cls.__name__}.from_dict needs a dict of fields, got {type(data).__name__}"
+            )
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(data) - known)
         if unknown:
@@ -33,5 +44,10 @@ class ConfigBase:
         """Each named token id, when set, must be in ``[0, vocab_size)``."""
         for name in names:
             tok = getattr(self, name)
-            if tok is not None and not 0 <= tok < self.vocab_size:
-                raise ValueError(f"{name} ({tok}) must be in [0, vocab_size={self.vocab_size})")
+            if tok is not None:
+                check_int(
+                    f"{name} (vocab_size={self.vocab_size})",
+                    tok,
+                    min_value=0,
+                    max_value=self.vocab_size - 1,
+                )

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnlab.functional._checks import check_positive_int, check_probability
+from attnlab.functional._checks import (
+    check_int,
+    check_positive_int,
+    check_probability,
+    check_real,
+)
 from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
@@ -95,14 +100,8 @@ class EncoderConfig(ConfigBase):
             raise ValueError(f"hidden_act {self.hidden_act!r} unknown; known: {activation_names()}")
         check_probability("hidden_dropout_prob", self.hidden_dropout_prob)
         check_probability("attention_probs_dropout_prob", self.attention_probs_dropout_prob)
-        if (
-            isinstance(self.type_vocab_size, bool)
-            or not isinstance(self.type_vocab_size, int)
-            or (self.type_vocab_size < 0)
-        ):
-            raise ValueError(f"type_vocab_size must be an int >= 0, got {self.type_vocab_size!r}")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        check_int("type_vocab_size", self.type_vocab_size, min_value=0)
+        check_real("layer_norm_eps", self.layer_norm_eps, gt=0.0)
         self._check_token_ids("pad_token_id")
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {self.norm_position!r}")

@@ -28,7 +28,7 @@ from attnlab.cache.kv_cache import (
     SlidingWindowKVCache,
     StaticKVCache,
 )
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.outputs import CausalLMOutput
@@ -279,34 +279,26 @@ class DecoderLM(nn.Module):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is not None:
             check_tensor("inputs_embeds", inputs_embeds)
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            if (
+                inputs_embeds.dim() != 3
+                or inputs_embeds.shape[-1] != self.config.hidden_size
+                or inputs_embeds.shape[:2].numel() == 0
+            ):
                 raise ValueError(
-                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}), got "
-                    f"{tuple(inputs_embeds.shape)}"
+                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}) with at "
+                    f"least one token, got {tuple(inputs_embeds.shape)}"
                 )
             return inputs_embeds
         assert input_ids is not None
-        check_tensor("input_ids", input_ids)
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ValueError(
-                f"input_ids must be integer (batch, seq_len), got {input_ids.dtype} "
-                f"{tuple(input_ids.shape)}"
-            )
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
-        ):
-            raise ValueError(
-                f"token ids must lie in [0, vocab_size={self.config.vocab_size}), got range "
-                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
         return self.embed_tokens(input_ids)
 
     @staticmethod
     def _check_mask(attention_mask: Tensor | None, b: int, total: int) -> Tensor | None:
         if attention_mask is None:
             return None
-        check_tensor("attention_mask", attention_mask)
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != b:
+        check_binary_mask("attention_mask", attention_mask)
+        if attention_mask.shape[0] != b:
             raise ValueError(
                 f"attention_mask must be (batch, cached + new tokens) with batch {b} as the "
                 f"input ids, got shape {tuple(attention_mask.shape)}"

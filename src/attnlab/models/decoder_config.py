@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attnlab.functional._checks import check_positive_int, check_probability
-from attnlab.functional.positions import ROPE_TYPES
+from attnlab.functional._checks import check_positive_int, check_probability, check_real
+from attnlab.functional.positions import check_rope_parameters
 from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
@@ -124,20 +124,10 @@ class DecoderConfig(ConfigBase):
             raise ValueError(f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
-        if self.rope_scaling is not None:
-            if not isinstance(self.rope_scaling, dict):
-                raise TypeError(
-                    f"rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}"
-                )
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rope_type not in ROPE_TYPES:
-                raise ValueError(
-                    f"unknown RoPE scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}"
-                )
+        check_rope_parameters(self.rope_theta, self.rope_scaling)
         if self.sliding_window is not None:
             check_positive_int("sliding_window", self.sliding_window)
-        if not self.norm_eps > 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+        check_real("norm_eps", self.norm_eps, gt=0.0)
         check_probability("attention_dropout", self.attention_dropout)
         check_probability("hidden_dropout", self.hidden_dropout)
         self._check_token_ids("pad_token_id", "bos_token_id", "eos_token_id")

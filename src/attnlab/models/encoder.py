@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from attnlab.functional._checks import check_binary_mask
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import document, full, padding, padding_mask
 from attnlab.functional.score_mods import ScoreMod, symmetric_alibi
@@ -310,13 +311,7 @@ class EncoderModel(nn.Module):
                 raise ValueError(f"document_ids must be (batch, seq_len) = {(b, s)}, got {got}")
             mask = document(document_ids)
         elif attention_mask is not None:
-            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
-                got = (
-                    tuple(attention_mask.shape)
-                    if isinstance(attention_mask, Tensor)
-                    else attention_mask
-                )
-                raise ValueError(f"attention_mask must be (batch, seq_len) = {(b, s)}, got {got}")
+            check_binary_mask("attention_mask", attention_mask, (b, s))
             pad = padding_mask(attention_mask)  # [B, 1, 1, S]
             # An all-ones mask changes nothing; dropping it lets fused kernels skip masking.
             mask = None if bool(pad.all()) else pad

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.cache.kv_cache import DynamicKVCache, ModelCache
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_binary_mask, check_token_ids
 from attnlab.functional.masks import padding_mask
 from attnlab.functional.slot_masks import slot_mask
 from attnlab.models.decoder import make_norm
@@ -145,11 +145,6 @@ class Seq2SeqLM(nn.Module):
         )
 
     def _embed(self, ids: Tensor, positions: Tensor) -> Tensor:
-        check_tensor("input_ids", ids)
-        if ids.dim() != 2 or ids.dtype.is_floating_point:
-            raise ValueError(
-                f"token ids must be integer (batch, seq_len), got {ids.dtype} {tuple(ids.shape)}"
-            )
         x = self.shared(ids)  # [B, L, D]
         if self.config.scale_embeddings:
             x = x * math.sqrt(self.config.d_model)
@@ -170,6 +165,7 @@ class Seq2SeqLM(nn.Module):
     def _encode(
         self, input_ids: Tensor, attention_mask: Tensor | None, output_attentions: bool
     ) -> tuple[Tensor, list[Tensor]]:
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
         s = input_ids.shape[-1]
         x = self._embed(input_ids, torch.arange(s, device=input_ids.device)[None])
         mask = self._encoder_mask(attention_mask, input_ids.shape[0], s)
@@ -187,12 +183,7 @@ class Seq2SeqLM(nn.Module):
     def _encoder_mask(attention_mask: Tensor | None, b: int, s: int) -> Tensor | None:
         if attention_mask is None:
             return None
-        check_tensor("attention_mask", attention_mask)
-        if tuple(attention_mask.shape) != (b, s):
-            raise ValueError(
-                f"attention_mask must be (batch, encoder_len) = {(b, s)}, got "
-                f"{tuple(attention_mask.shape)}"
-            )
+        check_binary_mask("attention_mask", attention_mask, (b, s))
         pad = padding_mask(attention_mask)  # [B, 1, 1, S]
         return None if bool(pad.all()) else pad
 
@@ -233,6 +224,7 @@ class Seq2SeqLM(nn.Module):
             )
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids is required")
+        check_token_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
         b, n = decoder_input_ids.shape[0], decoder_input_ids.shape[-1]
         if encoder_outputs.shape[0] != b:
             raise ValueError(
@@ -250,14 +242,8 @@ class Seq2SeqLM(nn.Module):
         self_mask: Tensor | None = None
         is_causal = False
         if decoder_attention_mask is not None or (start > 0 and n > 1):
-            if decoder_attention_mask is not None and tuple(decoder_attention_mask.shape) != (
-                b,
-                start + n,
-            ):
-                raise ValueError(
-                    f"decoder_attention_mask must be (batch, cached + new) = {(b, start + n)}, "
-                    f"got {tuple(decoder_attention_mask.shape)}"
-                )
+            if decoder_attention_mask is not None:
+                check_binary_mask("decoder_attention_mask", decoder_attention_mask, (b, start + n))
             self_mask = slot_mask(
                 positions[0],
                 torch.arange(start + n, device=device),

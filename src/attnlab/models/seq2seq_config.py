@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attnlab.functional._checks import check_positive_int, check_probability
+from attnlab.functional._checks import check_positive_int, check_probability, check_real
 from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
@@ -107,6 +107,9 @@ class Seq2SeqConfig(ConfigBase):
         if self.position_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         check_probability("dropout_rate", self.dropout_rate)
+        check_real("layer_norm_epsilon", self.layer_norm_epsilon, gt=0.0)
+        if self.attention_scale is not None:
+            check_real("attention_scale", self.attention_scale, gt=0.0)
         self._check_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
 
     @classmethod

@@ -31,12 +31,35 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from attnlab.backends import get as _get_backend
 from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
-from attnlab.functional._checks import check_positive_int, check_probability, check_tensor
+from attnlab.functional._checks import (
+    check_positive_int,
+    check_probability,
+    check_scale,
+    check_tensor,
+)
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
 from attnlab.functional.masks import combine, padding_mask
 
 __all__ = ["MultiHeadAttention"]
+
+
+def check_backend_name(backend: object) -> str:
+    """Return ``backend`` if it is ``"auto"`` or a registered backend's name.
+
+    Called by modules and models at construction, so a typo fails there, not at the
+    first forward.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: no backend of that name (the message lists the known ones).
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name (str), got {backend!r}")
+    if backend != "auto":
+        _get_backend(backend)
+    return backend
 
 
 class MultiHeadAttention(nn.Module):
@@ -99,6 +122,8 @@ class MultiHeadAttention(nn.Module):
         else:
             check_positive_int("head_dim", head_dim)
         check_probability("dropout", dropout)
+        check_scale(scale)
+        check_backend_name(backend)
         kv_embed_dim = embed_dim if kv_embed_dim is None else kv_embed_dim
         self.embed_dim = embed_dim
         self.kv_embed_dim = kv_embed_dim

@@ -81,6 +81,12 @@ class Embeddings(nn.Module):
                 )
             shape = tuple(inputs_embeds.shape[:2])
             device = inputs_embeds.device
+        if 0 in shape:
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            raise ValueError(
+                f"{name} holds no tokens (batch, seq_len = {shape}); a model needs at least one "
+                "token per row"
+            )
         seq_len = shape[1]
         x = inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
         if self.position_embeddings is None:
