@@ -353,11 +353,24 @@ def test_auto_follows_the_calibrated_choice_and_use() -> None:
     assert estimate(mistral, seq_len=512, backend="sparse").backend == "sparse"
 
 
-def test_cost_model_tiles_are_the_backends_tiles() -> None:
-    # analysis/ is importable without torch, so it restates the tile sizes; keep them in step.
-    from attnlab.analysis.cost_layers import BACKEND_TRAITS
-    from attnlab.backends import flex, sparse, tiled
+def test_one_traits_record_torch_free() -> None:
+    """The backends, the registry and the cost model read one record; importing it needs no torch."""
+    import subprocess
+    import sys
 
-    assert BACKEND_TRAITS["tiled"].block == (tiled.BLOCK_Q, tiled.BLOCK_K)
-    assert BACKEND_TRAITS["sparse"].block == (sparse.BLOCK, sparse.BLOCK)
-    assert BACKEND_TRAITS["flex"].block == (flex.BLOCK_SIZE, flex.BLOCK_SIZE)
+    from attnlab.analysis.cost_layers import BACKEND_TRAITS
+    from attnlab.backend_traits import TRAITS
+    from attnlab.backends import flex, get, sparse, tiled
+
+    assert BACKEND_TRAITS is TRAITS
+    assert TRAITS["tiled"].block == (tiled.BLOCK_Q, tiled.BLOCK_K)
+    assert TRAITS["sparse"].block == (sparse.BLOCK, sparse.BLOCK)
+    assert TRAITS["flex"].block == (flex.BLOCK_SIZE, flex.BLOCK_SIZE)
+    for name, t in TRAITS.items():
+        b = get(name)
+        assert (b.exact, b.priority, b.description) == (t.exact, t.priority, t.description)
+    code = (
+        "import sys, attnlab.backend_traits, attnlab.analysis.cost_layers; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

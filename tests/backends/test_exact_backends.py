@@ -77,7 +77,7 @@ def base_patterns(draw: st.DrawFn, n: int, batch: int) -> M.MaskPattern:
     if kind == "window":
         return M.sliding_window(draw(st.integers(0, n)), draw(st.integers(0, 6)))
     if kind == "global":
-        return M.global_tokens(draw(st.lists(st.integers(0, n + 2), min_size=1, max_size=3)))
+        return M.global_tokens(draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)))
     if kind == "dilated":
         return M.dilated(
             draw(st.integers(0, 4)), draw(st.integers(1, 3)), causal=draw(st.booleans())

@@ -10,8 +10,8 @@ the reason says so.
 Speeds: on ``cpu`` the advisor uses figures measured on the project's machine (2 cores,
 torch 2.13, float32; ``shared/NOTES.md``): about 175 GFLOP/s for float32 matmuls and 400
 for bfloat16, and for the backend it asks ``auto``'s cost model, whose per-backend
-constants were measured there (:mod:`attnlab.backends.cost_constants`), falling back to
-the attention timings of :data:`CPU_ATTENTION_MS`. Decoding is costed per generated
+constants were measured there (:mod:`attnlab.backends.cost_constants`): the registry's
+ranking, as data, on every device. Decoding is costed per generated
 token as its FLOPs plus reading the weights and the KV cache at :data:`CPU_GBPS`
 (assumed). On ``cuda`` it assumes :data:`CUDA_TFLOPS` at 40% utilisation and
 :data:`CUDA_GBPS` (stated in the reasons: no measurement backs them).
@@ -19,9 +19,7 @@ token as its FLOPs plus reading the weights and the KV cache at :data:`CPU_GBPS`
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,19 +29,11 @@ from attnlab.analysis.cost import CostReport, estimate, human_bytes, human_flops
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPU_ATTENTION_MS", "TASKS", "Advice", "Recommendation", "advise"]
+__all__ = ["TASKS", "Advice", "Recommendation", "advise"]
 
 TASKS = ("classification", "long-document", "generation", "realtime")
 
 GIB = 1024**3
-
-#: Measured on 2 cores (torch 2.13 CPU, float32, batch 1, 12 heads of 64), in ms, by length.
-CPU_ATTENTION_MS: dict[str, dict[int, float]] = {
-    "sdpa causal (fused)": {512: 6, 1024: 16, 2048: 50, 4096: 180, 8192: 680},
-    "materialised softmax(QKᵀ)V": {512: 11, 1024: 90, 2048: 345, 4096: 1700, 8192: 6650},
-    "sdpa + dense window mask (w=256)": {512: 6, 1024: 24, 2048: 90, 4096: 370, 8192: 1550},
-    "flex compiled (w=256)": {512: 5, 1024: 15, 2048: 44, 4096: 57, 8192: 112},
-}
 
 #: Matmul throughput (GFLOP/s) measured on the project's 2-core CPU.
 CPU_GFLOPS = {"float32": 175.0, "bfloat16": 400.0}
@@ -136,18 +126,6 @@ class Advice:
 
 def _gib(n: float) -> str:
     return human_bytes(n)
-
-
-def _interp_ms(table: dict[int, float], n: int) -> float:
-    """Log-log interpolation (and extrapolation from the last two points) of measured times."""
-    xs = sorted(table)
-    if n <= xs[0]:
-        return table[xs[0]] * n / xs[0]
-    for a, b in itertools.pairwise(xs):
-        if n <= b or b == xs[-1]:
-            slope = math.log(table[b] / table[a]) / math.log(b / a)
-            return table[a] * (n / a) ** slope
-    raise AssertionError("unreachable")
 
 
 def _seconds(flops: float, device: str, dtype: str) -> float:
@@ -389,11 +367,7 @@ def advise(
     )
 
     # -- backend -------------------------------------------------------------------------------
-    recs.append(
-        _calibrated_backend_rec(best, spec, seq_len, batch_size, training)
-        if device == "cpu"
-        else _backend_rec(best, seq_len, device)
-    )
+    recs.append(_calibrated_backend_rec(best, spec, seq_len, batch_size, training, device))
     # -- positions -----------------------------------------------------------------------------
     limit = spec.max_positions or 512
     table_params = seq_len * spec.hidden_size
@@ -585,7 +559,7 @@ def _plan(
     backend: str | None = None,
 ) -> _Plan:
     s = spec if window is None else spec.with_(window=window, causal=True)
-    backend = backend or ("sdpa" if window is None else "tiled")
+    backend = backend or "auto"
     common: dict[str, Any] = dict(
         batch_size=batch_size, seq_len=seq_len, dtype=dtype, backend=backend
     )
@@ -620,13 +594,18 @@ def _gbps(device: str) -> float:
 
 
 def _calibrated_backend_rec(
-    best: _Plan, spec: ArchSpec, seq_len: int, batch_size: int, training: bool
+    best: _Plan, spec: ArchSpec, seq_len: int, batch_size: int, training: bool, device: str
 ) -> Recommendation:
-    """Ask ``auto`` (its per-backend constants were measured on the project's machine)
-    which backend runs one layer's attention of the chosen plan fastest, and quote it."""
+    """Ask the registry which backend runs one layer's attention of the chosen plan fastest.
+
+    The registry's ranking comes back as data (``Explanation.estimates``, seconds per
+    backend that can run the call, from the constants measured on the project's machine);
+    nothing here restates a backend's speed.
+    """
     try:
         import torch
 
+        from attnlab.backends.cost_model import format_seconds
         from attnlab.backends.registry import AttentionCall, _choose
         from attnlab.functional import masks
 
@@ -636,7 +615,7 @@ def _calibrated_backend_rec(
             key_shape=(batch_size, spec.num_kv_heads, seq_len, spec.head_dim),
             value_shape=(batch_size, spec.num_kv_heads, seq_len, spec.head_dim),
             dtype=getattr(torch, best.dtype),
-            device=torch.device("cpu"),
+            device=torch.device(device),
             mask="pattern" if pattern is not None else "none",
             pattern=pattern,
             is_causal=spec.causal and pattern is None,
@@ -648,54 +627,13 @@ def _calibrated_backend_rec(
         why = _choose(call, "auto")
     except Exception:  # the registry's model is an aid, never a reason to fail
         logger.debug("calibrated backend choice failed", exc_info=True)
-        return _backend_rec(best, seq_len, "cpu")
-    others = [
-        f"{name}: {text}"
-        for name, text in why.reasons.items()
-        if name != why.chosen and "approximate" not in text
-    ]
-    chosen_text = why.reasons.get(why.chosen, "")
-    est = chosen_text.split("chosen, ", 1)[-1].split(":")[0]
+        return Recommendation(
+            "backend", "auto", "let auto choose per call (its cost model was unavailable here)"
+        )
+    ranked = [f"{name} {format_seconds(s)}" for name, s in why.estimates.items()]
+    where = "" if device == "cpu" else f" (constants measured on cpu, not {device})"
     reason = (
-        f"per layer{' (forward + backward)' if training else ''}, auto's cost model, whose "
-        f"constants were measured on this machine, estimates {why.chosen} at {est}; "
-        + "; ".join(others[:3])
+        f"per layer{' (forward + backward)' if training else ''}, auto's cost model{where} "
+        f"ranks: {', '.join(ranked[:4])}"
     )
     return Recommendation("backend", why.chosen, reason)
-
-
-def _backend_rec(best: _Plan, seq_len: int, device: str) -> Recommendation:
-    window = best.window
-    if device == "cuda":
-        return Recommendation(
-            "backend",
-            "flex" if window else "sdpa",
-            "a fused FlashAttention-style kernel: no score matrix"
-            + (", and FlexAttention skips the window's masked blocks" if window else ""),
-        )
-    fused = _interp_ms(CPU_ATTENTION_MS["sdpa causal (fused)"], seq_len)
-    naive = _interp_ms(CPU_ATTENTION_MS["materialised softmax(QKᵀ)V"], seq_len)
-    if window is None:
-        return Recommendation(
-            "backend",
-            "sdpa",
-            f"torch's fused kernel: about {fused:.0f} ms per layer of attention at {seq_len} tokens "
-            f"vs {naive:.0f} ms materialised (measured on 2 cores, 12 heads of 64), and no "
-            f"{_gib(best.report.score_matrix_bytes)} score matrix per layer",
-        )
-    masked = _interp_ms(CPU_ATTENTION_MS["sdpa + dense window mask (w=256)"], seq_len)
-    flex = _interp_ms(CPU_ATTENTION_MS["flex compiled (w=256)"], seq_len)
-    if seq_len >= 2048:
-        return Recommendation(
-            "backend",
-            "flex",
-            f"compiled FlexAttention skips the masked blocks: about {flex:.0f} ms per layer at "
-            f"{seq_len} tokens vs {masked:.0f} ms for sdpa with a dense window mask (measured, "
-            "w=256); compiling costs 13-20 s once, so it pays off on long jobs",
-        )
-    return Recommendation(
-        "backend",
-        "sdpa",
-        f"at {seq_len} tokens sdpa with the window mask takes about {masked:.0f} ms vs {flex:.0f} ms "
-        "for compiled FlexAttention (measured): too close to pay 13-20 s of compilation",
-    )

@@ -4,8 +4,9 @@ Shape notation as in :mod:`attnlab.analysis.cost` (``B`` batch, ``L`` queries, `
 keys, ``D`` width, ``H``/``H_kv`` heads, ``E`` head dim, ``F`` feed-forward width,
 ``T = B * L`` tokens).
 
-* :data:`BACKEND_TRAITS`: whether a backend builds the score matrix, which masked work
-  it skips (and at which tile size), what it saves for the backward pass;
+* :data:`BACKEND_TRAITS`: the backends' own record (:mod:`attnlab.backend_traits`):
+  whether a backend builds the score matrix, which masked work it skips (and at which
+  tile size), what it saves for the backward pass;
 * :func:`parameter_count` of an :class:`~attnlab.analysis.arch.ArchSpec`;
 * the density of causal and windowed masks in closed form, the pairs a tiled kernel
   computes, the slots attnlab's growing KV cache holds;
@@ -15,11 +16,11 @@ keys, ``D`` width, ``H``/``H_kv`` heads, ``E`` head dim, ``F`` feed-forward widt
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import Literal
 
 from attnlab.analysis.arch import ArchSpec
+from attnlab.backend_traits import TRAITS, BackendTraits
+from attnlab.counting import FAR, band_pairs, band_tile_pairs
 
 __all__ = [
     "BACKEND_TRAITS",
@@ -62,104 +63,16 @@ ELEMENTWISE_FLOPS: dict[str, int] = {
 }
 
 
-@dataclass(frozen=True)
-class BackendTraits:
-    """How an attention backend spends work and memory, for the cost model.
-
-    Attributes:
-        materialises_scores: builds the ``L x S`` score matrix (and saves it for backward).
-        skips: which masked work it skips: ``"none"`` (computes every pair),
-            ``"causal"`` (only a causal mask, passed as ``is_causal``), ``"pattern"``
-            (any structured mask, at tile granularity).
-        score_tensors_saved: score-sized tensors saved for the backward pass (training).
-        score_tensors_live: score-sized tensors alive at once in an inference forward.
-        backward_factor: backward attention matmuls as a multiple of the forward's.
-        dropout_score_tensors: score-sized tensors saved when attention dropout is on in
-            training (None: as without dropout). torch's fused CPU kernels fall back to
-            the math path with dropout, which saves the weights, the dropout mask (float
-            on CPU) and the dropped weights.
-        transient_score_tensors: score-sized gradients alive at once at the peak of the
-            backward of a materialised attention (the reference's composite softmax makes
-            about 3; torch's math path about 1).
-        block: ``(block_q, block_k)`` tile of a tile-skipping kernel: masked work is
-            skipped per tile, so the pairs computed are counted per tile (None: exactly
-            the pattern's density).
-        linear: kernelised linear attention (no score matrix at all; Katharopoulos et al., 2020).
-        description: one line for reports.
-    """
-
-    materialises_scores: bool
-    skips: Literal["none", "causal", "pattern"]
-    score_tensors_saved: float = 0.0
-    score_tensors_live: float = 0.0
-    backward_factor: float = 2.0
-    linear: bool = False
-    dropout_score_tensors: float | None = None
-    transient_score_tensors: float = 3.0
-    block: tuple[int, int] | None = None
-    description: str = ""
-
-
-#: Traits of the backends the library registers; others fall back to "sdpa"'s.
-BACKEND_TRAITS: dict[str, BackendTraits] = {
-    # sdpa_reference saves, per layer: the scaled scores (amax's input), exp(scores)
-    # and the normalised weights (matmul's input); all three are alive in a forward too.
-    "reference": BackendTraits(
-        materialises_scores=True,
-        skips="none",
-        score_tensors_saved=3.0,
-        score_tensors_live=3.0,
-        dropout_score_tensors=4.0,
-        description="full score matrix (float32), every pair computed",
-    ),
-    # torch's CPU flash kernel: saves q, k, v, out and the logsumexp; skips causal tiles.
-    "sdpa": BackendTraits(
-        materialises_scores=False,
-        skips="causal",
-        backward_factor=2.5,
-        dropout_score_tensors=3.0,
-        transient_score_tensors=1.0,
-        description="torch's fused kernel: tiles, skips causal blocks, recomputes in backward",
-    ),
-    # issue 4's backends: tiles in PyTorch (FlashAttention-2), gathered key blocks,
-    # compiled FlexAttention: none builds L x S, all skip the tiles a pattern masks out
-    "tiled": BackendTraits(
-        materialises_scores=False,
-        skips="pattern",
-        backward_factor=2.5,
-        block=(256, 256),
-        description="FlashAttention-2 tiles: skips masked tiles, saves a logsumexp per row",
-    ),
-    "sparse": BackendTraits(
-        materialises_scores=False,
-        skips="pattern",
-        backward_factor=2.5,
-        block=(64, 64),
-        description="gathered key blocks per query block: about L x window pairs",
-    ),
-    "flex": BackendTraits(
-        materialises_scores=False,
-        skips="pattern",
-        backward_factor=2.5,
-        block=(128, 128),
-        description="compiled FlexAttention with a block mask",
-    ),
-    "linear": BackendTraits(
-        materialises_scores=False,
-        skips="none",
-        linear=True,
-        description="kernelised linear attention: O(L E^2), no score matrix (approximate)",
-    ),
-}
-
+#: How each backend spends work and memory: the backends' own torch-free record.
+BACKEND_TRAITS = TRAITS
 
 # a tiled kernel that never falls back to the math path (the "tiled" activation variant)
-TILED = BackendTraits(materialises_scores=False, skips="pattern", backward_factor=2.5)
+TILED = BackendTraits(skips="pattern", backward_factor=2.5)
 
 
 def register_backend_traits(name: str, traits: BackendTraits) -> None:
-    """Tell the cost model how a (new) backend spends work and memory."""
-    BACKEND_TRAITS[name] = traits
+    """Tell the cost model (and the backends' record) how a (new) backend spends work and memory."""
+    TRAITS[name] = traits
 
 
 def parameter_count(spec: ArchSpec) -> int:
@@ -196,21 +109,11 @@ def window_density(window: int, q_len: int, kv_len: int, q_offset: int) -> float
     """Fraction of (query, key) pairs a causal window of ``window`` keys keeps, in closed form.
 
     Query ``i`` sits at position ``p = q_offset + i`` and sees keys
-    ``max(0, p - window + 1) .. min(p, kv_len - 1)``. The count is piecewise linear in
-    ``p`` with breaks at ``window - 1``, ``kv_len - 1`` and ``kv_len + window - 1``, so each
-    piece sums as an arithmetic series: O(1), whatever the lengths.
+    ``max(0, p - window + 1) .. min(p, kv_len - 1)``: the band
+    :func:`~attnlab.counting.band_pairs` counts exactly, O(1) in the lengths.
     """
-
-    def seen(p: int) -> int:
-        return max(0, min(p, kv_len - 1) - max(0, p - window + 1) + 1)
-
-    lo, hi = q_offset, q_offset + q_len - 1
-    cuts = sorted({lo, hi + 1, *(c for c in (window, kv_len, kv_len + window) if lo < c <= hi)})
-    total = 0
-    for a, b1 in itertools.pairwise(cuts):
-        b = b1 - 1  # the piece is p in [a, b], linear there
-        total += (seen(a) + seen(b)) * (b - a + 1) // 2
-    return total / (q_len * kv_len)
+    pairs = band_pairs(window - 1, 0, q_offset, q_offset + q_len - 1, 0, kv_len - 1)
+    return pairs / (q_len * kv_len)
 
 
 def dynamic_slots(prefill: int, new: int, capacity: int) -> int:
@@ -226,7 +129,8 @@ def dynamic_slots(prefill: int, new: int, capacity: int) -> int:
 
 
 def causal_density(q_len: int, kv_len: int, q_offset: int) -> float:
-    return window_density(q_len + kv_len + q_offset + 1, q_len, kv_len, q_offset)
+    """Fraction of pairs a causal mask keeps (queries at ``q_offset ..``), in closed form."""
+    return band_pairs(FAR, 0, q_offset, q_offset + q_len - 1, 0, kv_len - 1) / (q_len * kv_len)
 
 
 def traits_of(backend: str) -> BackendTraits:
@@ -278,27 +182,17 @@ def attention_work(
 def tile_pairs(sh: LayerShape, block_q: int, block_k: int) -> float:
     """(query, key) pairs per head a kernel with ``block_q x block_k`` tiles computes.
 
-    A tile is computed whole when the mask keeps any pair in it: for each query block,
-    the key blocks between its first row's lowest key and its last row's highest key.
-    O(L / block_q) steps, no tensors.
+    A tile is computed whole when the mask keeps any pair in it. In closed form for the
+    causal band and windows (:func:`~attnlab.counting.band_tile_pairs`):
+    O(1) in the length, exact, no tensors.
     """
     if not sh.causal and sh.window is None:
         return float(sh.lq * sh.s)
     # keys are stored at positions 0..S-1 except for a rolling cache, whose S keys end at
     # the last query: shift positions so that the last query sits at S - 1
     shift = min(0, sh.s - (sh.q_offset + sh.lq))
-    total = 0.0
-    for q0 in range(0, sh.lq, block_q):
-        q1 = min(sh.lq, q0 + block_q)
-        first, last = sh.q_offset + q0 + shift, sh.q_offset + q1 - 1 + shift
-        lo = max(0, first - sh.window + 1) if sh.window is not None else 0
-        hi = min(last, sh.s - 1)
-        if lo > hi:
-            continue
-        k0 = (lo // block_k) * block_k
-        k1 = min(sh.s, (hi // block_k + 1) * block_k)
-        total += (q1 - q0) * (k1 - k0)
-    return total
+    left = sh.window - 1 if sh.window is not None else FAR
+    return float(band_tile_pairs(left, 0, sh.q_offset + shift, sh.lq, sh.s, block_q, block_k))
 
 
 def layer_saved(

@@ -27,13 +27,21 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern, causal, default_positions, full
+from attnlab.functional.masks.geometry import reduce_tiles
 from attnlab.functional.score_mods import ScoreMod, apply_score_mods, score_mods_backward
 
-__all__ = ["MaskSpec", "compute_dtype", "flatten_batch", "mask_spec", "weights_from_lse"]
+__all__ = [
+    "MaskSpec",
+    "compute_dtype",
+    "flatten_batch",
+    "mask_spec",
+    "prologue",
+    "weights_from_lse",
+]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,9 +164,9 @@ class MaskSpec:
             ok = d if d.dtype == torch.bool else ~torch.isneginf(d)
             ok = ok.reshape(-1, ok.shape[-2], ok.shape[-1]).any(0)  # [L|1, S|1]
             if ok.shape[-2] > 1:
-                ok = _tile_any(ok.transpose(0, 1), block_q, nq).transpose(0, 1)  # [nq, S|1]
+                ok = reduce_tiles(ok.transpose(0, 1), block_q, nq, "any").transpose(0, 1)
             if ok.shape[-1] > 1:
-                ok = _tile_any(ok, block_k, nk)  # [nq|1, nk]
+                ok = reduce_tiles(ok, block_k, nk, "any")  # [nq|1, nk]
             needed = needed & ok.cpu()
         return needed, full
 
@@ -184,10 +192,45 @@ class MaskSpec:
         return _slice_rows_cols(self.dense, q0, q1, k0, k1)
 
 
-def _tile_any(x: Tensor, block: int, n_tiles: int) -> Tensor:
-    """``[R, C]`` bool -> ``[R, n_tiles]``: any over tiles of ``block`` columns."""
-    x = F.pad(x, (0, n_tiles * block - x.shape[-1]), value=False)
-    return x.view(x.shape[0], n_tiles, block).any(-1)
+def prologue(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | MaskPattern | None,
+    is_causal: bool,
+    scale: float | None,
+    *,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    repeat_heads: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, MaskSpec, float]:
+    """What every block-wise backend does first, in one place.
+
+    Gathers the mask and positions (:func:`mask_spec`), flattens the batch dims
+    (``[B.., H, *, E] -> [N, H, *, E]``), casts to ``dtype`` (the compute dtype, when
+    given), repeats the key/value heads to the query heads (GQA), and resolves the
+    default scale ``1/sqrt(E)``.
+
+    Returns:
+        ``(q [N, H, L, E], k [N, H|H_kv, S, E], v [N, H|H_kv, S, Ev], spec, scale)``.
+    """
+    spec = mask_spec(
+        attn_mask,
+        is_causal,
+        tuple(query.shape),
+        key.shape[-2],
+        device=query.device,
+        q_positions=q_positions,
+        k_positions=k_positions,
+    )
+    q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if repeat_heads and q.shape[1] != k.shape[1]:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
+    return q, k, v, spec, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
 def check_blockwise_call(

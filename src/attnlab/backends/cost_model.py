@@ -28,8 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
+from attnlab.backend_traits import TRAITS
 from attnlab.backends import cost_constants
 from attnlab.functional.masks import MaskPattern, causal
 
@@ -77,16 +76,13 @@ def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
         pattern = causal() if pattern is None else pattern & causal()
     if pattern is None or L == 0 or S == 0:
         return float(L * S)
+    if pattern._tile_band() is not None:  # closed form, no tensors: causal, windows
+        return float(pattern.tile_pairs(L, S, block_q, block_k))
     key = (id(call.pattern), call.is_causal, L, S, block_q, block_k)
     hit = _pairs_cache.get(key)
     if hit is not None:
         return hit[1]
-    needed, _ = pattern.block_mask(L, S, block_q, block_k)  # [nq, nk]
-    rows = torch.full((needed.shape[0],), float(block_q))
-    rows[-1] = L - block_q * (needed.shape[0] - 1)
-    cols = torch.full((needed.shape[1],), float(block_k))
-    cols[-1] = S - block_k * (needed.shape[1] - 1)
-    pairs = float(rows @ needed.to(rows.dtype) @ cols)
+    pairs = float(pattern.tile_pairs(L, S, block_q, block_k))
     _pairs_cache[key] = (call.pattern, pairs)  # keeps the pattern alive: ids stay unique
     if len(_pairs_cache) > _MAX_CACHED:
         _pairs_cache.popitem(last=False)
@@ -99,7 +95,7 @@ def lse_pass(call: AttentionCall) -> float:
         return 0.0
     table = cost_constants.CONSTANTS.get(call.device.type) or cost_constants.CONSTANTS["cpu"]
     overhead, per_unit = table["tiled"]["fwd"]
-    return overhead + units(call, computed_pairs(call, 256, 256)) * per_unit
+    return overhead + units(call, computed_pairs(call, *TRAITS["tiled"].tile())) * per_unit
 
 
 def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None:

@@ -34,10 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import check_blockwise_call, flatten_batch, mask_spec, weights_from_lse
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import repeat_kv
+from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.masks import MaskPattern
 
 __all__ = ["BLOCK_SIZE", "COMPILE_SECONDS", "flex_attention", "is_compiled"]
@@ -45,7 +46,7 @@ __all__ = ["BLOCK_SIZE", "COMPILE_SECONDS", "flex_attention", "is_compiled"]
 logger = logging.getLogger(__name__)
 
 #: FlexAttention's tile size (its default).
-BLOCK_SIZE = 128
+BLOCK_SIZE = TRAITS["flex"].tile()[0]
 #: What a first call for a new shape costs on this project's CPU (cold inductor cache).
 COMPILE_SECONDS = 15.0
 
@@ -171,6 +172,8 @@ def flex_attention(
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("flex", attn_mask, dropout_p, needs_pattern=True)
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
     spec = mask_spec(attn_mask, is_causal, tuple(query.shape), key.shape[-2], device=query.device)
     q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
     n, L, S = q.shape[0], q.shape[2], k.shape[2]
@@ -243,8 +246,6 @@ def _check(call: AttentionCall) -> str | None:
         return "does not apply dropout"
     if call.mask in ("bool", "float"):
         return "takes a mask pattern, got a dense mask"
-    if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
-        return "empty query or key sequence"
     if call.positions:
         return "does not take q_positions/k_positions (its block mask is built per shape)"
     if call.dtype == torch.float64:
@@ -278,12 +279,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 FLEX = register(
     Backend(
-        name="flex",
         fn=flex_attention,
         check=_check,
-        accepts_patterns=True,
         cost=_cost,
-        priority=20,
-        description="torch's FlexAttention, compiled, with the pattern's block mask",
+        **TRAITS["flex"].registry_fields(),
     )
 )

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import compute_dtype, flatten_batch
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import repeat_kv
+from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.linear_attention import elu_feature_map
 from attnlab.functional.masks import Causal, MaskPattern, Padding
 
@@ -124,6 +125,8 @@ def linear_attention(
             f"dropout_p={dropout_p}, return_weights={return_weights}"
         )
     causal_pattern, keep = _key_mask(attn_mask, query, key.shape[-2])
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value)[0], None
     causal = is_causal or causal_pattern
     dtype = query.dtype
     cdt = compute_dtype(dtype)
@@ -172,12 +175,8 @@ def _check(call: AttentionCall) -> str | None:
 
 LINEAR = register(
     Backend(
-        name="linear",
         fn=linear_attention,
         check=_check,
-        exact=False,
-        accepts_patterns=True,
-        priority=90,
-        description="kernelised linear attention (elu+1 features), an approximation; by name only",
+        **TRAITS["linear"].registry_fields(),
     )
 )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.cost_model import Estimate, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import resolve_mask, sdpa_reference
+from attnlab.functional.attention import empty_attention, resolve_mask, sdpa_reference
 from attnlab.functional.masks import MaskPattern
 
 
@@ -29,6 +30,8 @@ def reference_attention(
     The pattern is evaluated at the call's positions (``q_positions`` ``[B|1, L]``,
     ``k_positions`` ``[B|1, S]``, ``-1`` = empty key; default ``arange``).
     """
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
     mods: tuple = ()
     if isinstance(attn_mask, MaskPattern):
         mods = attn_mask.score_mods
@@ -68,13 +71,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 REFERENCE = register(
     Backend(
-        name="reference",
         fn=reference_attention,
         check=_check,
-        accepts_patterns=True,
-        accepts_positions=True,
-        priority=1000,
-        description="the full score matrix in float32/float64; runs every call and returns weights",
         cost=_cost,
+        **TRAITS["reference"].registry_fields(),
     )
 )

@@ -18,13 +18,14 @@ import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnlab.backends.cost_model import Estimate
 from attnlab.functional._checks import check_attention_inputs, check_positions
-from attnlab.functional.attention import AttnMask
+from attnlab.functional.attention import AttnMask, pattern_mask, resolve_mask
 from attnlab.functional.masks import MaskPattern
 
 
@@ -141,6 +142,8 @@ class Explanation:
 
     chosen: str
     reasons: dict[str, str] = field(default_factory=dict)
+    #: Estimated seconds of each backend that can run the call (the ranking, as data).
+    estimates: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"backend: {self.chosen}"]
@@ -152,12 +155,76 @@ _REGISTRY: dict[str, Backend] = {}
 _FORCED: ContextVar[str | None] = ContextVar("attnlab_backend", default=None)
 
 
+#: The backend chosen per call signature (see :func:`signature`), and why.
+_MEMO: dict[tuple[Any, ...], tuple[Backend, Explanation]] = {}
+_MEMO_MAX = 4096
+
+
 def register(backend: Backend) -> Backend:
-    """Add (or replace) a backend in the registry."""
+    """Add (or replace) a backend in the registry (and forget the memoized choices)."""
     if backend.name == "auto":
         raise ValueError("'auto' is reserved and cannot name a backend")
     _REGISTRY[backend.name] = backend
+    _MEMO.clear()
     return backend
+
+
+def bucket(n: int) -> int:
+    """A length's memo bucket: exact up to 16, then the next power of two.
+
+    A decode step's key length grows by one each step; with buckets, the choice is
+    made again only when the length crosses a power of two.
+    """
+    return n if n <= 16 else 1 << (n - 1).bit_length()
+
+
+def signature(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: AttnMask,
+    *,
+    requested: str,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    return_weights: bool,
+    positions: bool,
+) -> tuple[Any, ...]:
+    """The memo key of a call: what ``auto``'s choice depends on, lengths bucketed.
+
+    dtype, device, batch and head dims, mask kind and pattern structure (not its data),
+    grad mode, and the bucketed query and key lengths (:func:`bucket`).
+    """
+    grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
+    if attn_mask is None:
+        mask: Any = None
+    elif isinstance(attn_mask, MaskPattern):
+        mask = attn_mask.structure()
+    else:
+        mask_grad = attn_mask.requires_grad and torch.is_grad_enabled()
+        grad = grad or mask_grad
+        mask = (attn_mask.dtype == torch.bool, mask_grad)
+    return (
+        requested,
+        query.dtype,
+        query.device,
+        query.shape[:-2],
+        key.shape[-3],
+        query.shape[-1],
+        value.shape[-1],
+        bucket(query.shape[-2]),
+        bucket(key.shape[-2]),
+        mask,
+        is_causal,
+        dropout_p > 0,
+        enable_gqa,
+        grad,
+        return_weights,
+        positions,
+    )
 
 
 def available() -> list[str]:
@@ -207,6 +274,7 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
         others = {n: "not considered: a backend was named" for n in available() if n != requested}
         return Explanation(requested, {requested: "named explicitly", **others})
     reasons: dict[str, str] = {}
+    estimates: dict[str, float] = {}
     runnable: list[tuple[float, int, str, Estimate | None]] = []
     for name in available():
         b = _REGISTRY[name]
@@ -218,6 +286,8 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
             reasons[name] = why
             continue
         est = b.cost(call) if b.cost is not None else None
+        if est is not None:
+            estimates[name] = est.seconds
         runnable.append((est.seconds if est else float("inf"), b.priority, name, est))
     if not runnable:  # the reference runs everything; only reached if it was replaced
         raise ValueError(f"no registered backend can run this call: {reasons}")
@@ -234,7 +304,64 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
         else:
             reasons[name] = f"{est.note}, slower than {chosen}"
     order = {n: i for i, n in enumerate(available())}
-    return Explanation(chosen, dict(sorted(reasons.items(), key=lambda kv: order[kv[0]])))
+    ranked = dict(sorted(estimates.items(), key=lambda kv: kv[1]))
+    return Explanation(chosen, dict(sorted(reasons.items(), key=lambda kv: order[kv[0]])), ranked)
+
+
+def _memoized(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: AttnMask,
+    *,
+    backend: str,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    return_weights: bool,
+    positions: bool,
+    call: AttentionCall | None = None,
+) -> tuple[Backend, Explanation]:
+    """The backend for this call, from the memo or chosen (and remembered) now.
+
+    A choice of ``flex`` is remembered for the exact lengths only: whether a shape is
+    already compiled is part of its cost.
+    """
+    requested = backend if backend != "auto" else (_FORCED.get() or "auto")
+    sig = signature(
+        query,
+        key,
+        value,
+        attn_mask,
+        requested=requested,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        enable_gqa=enable_gqa,
+        return_weights=return_weights,
+        positions=positions,
+    )
+    exact = (sig, query.shape[-2], key.shape[-2])
+    hit = _MEMO.get(sig) or _MEMO.get(exact)
+    if hit is not None:
+        return hit
+    if call is None:
+        call = AttentionCall.from_inputs(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            enable_gqa=enable_gqa,
+            return_weights=return_weights,
+            positions=positions,
+        )
+    why = _choose(call, backend)
+    hit = (get(why.chosen), why)
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[exact if why.chosen == "flex" else sig] = hit
+    return hit
 
 
 def explain(
@@ -257,22 +384,23 @@ def explain(
         query, key, value, enable_gqa=enable_gqa, dropout_p=dropout_p, scale=scale
     )
     check_positions(q_positions, k_positions, query, key)
-    call = AttentionCall.from_inputs(
+    _, why = _memoized(
         query,
         key,
         value,
         attn_mask,
+        backend=backend,
         dropout_p=dropout_p,
         is_causal=is_causal,
         enable_gqa=enable_gqa,
         return_weights=return_weights,
         positions=q_positions is not None or k_positions is not None,
     )
-    return _choose(call, backend)
+    return why
 
 
 def _positions_mask(
-    call: AttentionCall,
+    is_causal: bool,
     attn_mask: AttnMask,
     target: tuple[int, ...],
     device: torch.device,
@@ -280,12 +408,11 @@ def _positions_mask(
     k_positions: Tensor | None,
 ) -> Tensor | None:
     """For a backend without positions: pattern, ``is_causal`` and empty keys as one dense mask."""
-    from attnlab.functional.attention import pattern_mask, resolve_mask
     from attnlab.functional.masks import causal, combine, full
 
     pattern = attn_mask._unscored() if isinstance(attn_mask, MaskPattern) else None
     dense = None if isinstance(attn_mask, MaskPattern) else attn_mask
-    if call.is_causal:
+    if is_causal:
         pattern = causal() if pattern is None else pattern & causal()
     if pattern is None and k_positions is not None:
         pattern = full()  # the empty keys (-1) still have to be masked
@@ -299,7 +426,10 @@ def _positions_mask(
 
 def _run(
     b: Backend,
-    call: AttentionCall,
+    is_causal: bool,
+    dropout_p: float,
+    enable_gqa: bool,
+    return_weights: bool,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -309,17 +439,14 @@ def _run(
     k_positions: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     """Hand one call to backend ``b``, in the form of mask and positions it takes."""
-    from attnlab.functional.attention import resolve_mask
-
     target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
-    is_causal = call.is_causal
     extra: dict[str, Tensor | None] = {}
     positions = q_positions is not None or k_positions is not None
     if positions and b.accepts_positions:
         extra = {"q_positions": q_positions, "k_positions": k_positions}
     mask = attn_mask
     if positions and not b.accepts_positions:
-        mask = _positions_mask(call, attn_mask, target, query.device, q_positions, k_positions)
+        mask = _positions_mask(is_causal, attn_mask, target, query.device, q_positions, k_positions)
         is_causal = False
     elif not (isinstance(attn_mask, MaskPattern) and b.accepts_patterns):
         mask = resolve_mask(
@@ -330,11 +457,11 @@ def _run(
         key,
         value,
         mask,
-        call.dropout_p,
+        dropout_p,
         is_causal,
         scale,
-        call.enable_gqa,
-        return_weights=call.return_weights,
+        enable_gqa,
+        return_weights=return_weights,
         **extra,
     )
 
@@ -354,20 +481,33 @@ def dispatch(
     q_positions: Tensor | None = None,
     k_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Run one (already validated) attention call on the chosen backend."""
-    call = AttentionCall.from_inputs(
+    """Run one (already validated) attention call on the backend memoized for its signature."""
+    b, _ = _memoized(
         query,
         key,
         value,
         attn_mask,
+        backend=backend,
         dropout_p=dropout_p,
         is_causal=is_causal,
         enable_gqa=enable_gqa,
         return_weights=return_weights,
         positions=q_positions is not None or k_positions is not None,
     )
-    b = get(_choose(call, backend).chosen)
-    return _run(b, call, query, key, value, attn_mask, scale, q_positions, k_positions)
+    return _run(
+        b,
+        is_causal,
+        dropout_p,
+        enable_gqa,
+        return_weights,
+        query,
+        key,
+        value,
+        attn_mask,
+        scale,
+        q_positions,
+        k_positions,
+    )
 
 
 def dispatch_trusted(
@@ -402,6 +542,31 @@ def dispatch_trusted(
     Returns:
         ``(output [B.., H, L, Ev], weights or None)``.
     """
-    b = get(_choose(call, backend).chosen)
     mask: AttnMask = call.pattern if attn_mask is None else attn_mask
-    return _run(b, call, query, key, value, mask, scale, q_positions, k_positions)
+    b, _ = _memoized(
+        query,
+        key,
+        value,
+        mask,
+        backend=backend,
+        dropout_p=call.dropout_p,
+        is_causal=call.is_causal,
+        enable_gqa=call.enable_gqa,
+        return_weights=call.return_weights,
+        positions=call.positions,
+        call=call,
+    )
+    return _run(
+        b,
+        call.is_causal,
+        call.dropout_p,
+        call.enable_gqa,
+        call.return_weights,
+        query,
+        key,
+        value,
+        mask,
+        scale,
+        q_positions,
+        k_positions,
+    )

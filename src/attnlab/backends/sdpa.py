@@ -8,20 +8,22 @@ kernel, and zeroes their output, so values and gradients stay finite.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.cost_model import Estimate, estimate, lse_pass
 from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.functional.attention import empty_attention, sdpa_reference
 from attnlab.functional.masks import causal_mask
 
 
 def _check(call: AttentionCall) -> str | None:
     if call.pattern is not None and call.pattern.score_mods:
         return f"cannot apply score modifiers {list(call.pattern.score_mods)} inside torch's kernel"
-    if call.query_shape[-2] == 0 or call.key_shape[-2] == 0:
-        return "empty query or key sequence"
     return None
 
 
@@ -43,6 +45,25 @@ def sdpa_torch(
     the weights are recomputed from a log-sum-exp (:func:`attnlab.backends.attention_weights`).
     """
     L, S = query.shape[-2], key.shape[-2]
+    if L == 0 or S == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
+    acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else None
+    if not math.isfinite(float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))):
+        # torch's kernels do not propagate a NaN in the query or key at some shapes (small
+        # lengths and head dims), and propagate it from masked keys at others: non-finite
+        # inputs take the reference math, which every backend agrees with. One reduction
+        # per call (a host sync), not one per element-op.
+        return sdpa_reference(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            return_weights=return_weights,
+        )
     given_mask, given_causal = attn_mask, is_causal
     if attn_mask is not None and is_causal:
         causal = causal_mask(L, S, device=query.device)
@@ -110,11 +131,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 SDPA = register(
     Backend(
-        name="sdpa",
         fn=sdpa_torch,
         check=_check,
-        priority=10,
-        description="torch's fused kernel (flash/memory-efficient/math, as torch picks)",
         cost=_cost,
+        **TRAITS["sdpa"].registry_fields(),
     )
 )

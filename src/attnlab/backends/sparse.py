@@ -23,30 +23,28 @@ blocks, ``K`` key blocks gathered per query block.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import (
     MaskSpec,
     check_blockwise_call,
     compute_dtype,
-    flatten_batch,
-    mask_spec,
+    prologue,
     weights_from_lse,
 )
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import repeat_kv
+from attnlab.functional.attention import empty_attention
 from attnlab.functional.masks import MaskPattern, full
 from attnlab.functional.score_mods import apply_score_mods
 
 __all__ = ["BLOCK", "SCORE_BUDGET", "sparse_attention"]
 
 #: Positions per block. Small blocks waste little at a window's edges.
-BLOCK = 64
+BLOCK = TRAITS["sparse"].tile()[0]
 #: Scores (``N * H * rows * gathered keys``) computed at once, per group of query blocks.
 SCORE_BUDGET = 1 << 25
 
@@ -165,24 +163,22 @@ def sparse_attention(
         ValueError: a dense mask, ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("sparse", attn_mask, dropout_p, needs_pattern=True)
-    spec = mask_spec(
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
+    dtype = query.dtype
+    q, k, v, spec, scale = prologue(
+        query,
+        key,
+        value,
         attn_mask,
         is_causal,
-        tuple(query.shape),
-        key.shape[-2],
-        device=query.device,
+        scale,
         q_positions=q_positions,
         k_positions=k_positions,
-    )
+        dtype=compute_dtype(dtype),
+    )  # [N, H, *, E]
     if spec.pattern is None:
         spec.pattern = full()
-    dtype = query.dtype
-    cdt = compute_dtype(dtype)
-    q, k, v = (flatten_batch(t).to(cdt) for t in (query, key, value))  # [N, H, *, E]
-    if q.shape[1] != k.shape[1]:
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, lse = _sparse_core(q, k, v, spec, scale, block)
     out = out.to(dtype).reshape(*query.shape[:-1], value.shape[-1])  # [B.., H, L, Ev]
     weights = None
@@ -207,13 +203,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 SPARSE = register(
     Backend(
-        name="sparse",
         fn=sparse_attention,
         check=_check,
-        accepts_patterns=True,
-        accepts_positions=True,
         cost=_cost,
-        priority=40,
-        description="gathers only the key blocks a pattern needs: time and memory ~ L*w",
+        **TRAITS["sparse"].registry_fields(),
     )
 )

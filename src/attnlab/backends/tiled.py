@@ -23,33 +23,32 @@ Shape notation: ``N`` flattened batch, ``H`` query heads, ``L`` query length,
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import (
     MaskSpec,
     check_blockwise_call,
     compute_dtype,
-    flatten_batch,
-    mask_spec,
     masked_scores,
+    prologue,
     weights_from_lse,
 )
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
 from attnlab.backends.registry import AttentionCall, Backend, register
-from attnlab.functional.attention import repeat_kv
+from attnlab.functional.attention import empty_attention
 from attnlab.functional.masks import MaskPattern
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "tiled_attention", "tiled_forward"]
 
 #: Query rows per block. Large blocks amortise Python's per-tile overhead on CPU;
 #: one tile's scores take ``N * H * BLOCK_Q * BLOCK_K`` floats.
-BLOCK_Q = 256
+BLOCK_Q = TRAITS["tiled"].tile()[0]
 #: Keys per block (the unit of skipping).
-BLOCK_K = 256
+BLOCK_K = TRAITS["tiled"].tile()[1]
 #: Most keys met in one product: consecutive needed key blocks are merged up to this.
 MAX_SPAN = 4096
 
@@ -280,20 +279,18 @@ def tiled_attention(
         ValueError: ``dropout_p > 0``, or a pattern built for another batch size.
     """
     check_blockwise_call("tiled", attn_mask, dropout_p, needs_pattern=False)
-    spec = mask_spec(
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
+    q, k, v, spec, scale = prologue(
+        query,
+        key,
+        value,
         attn_mask,
         is_causal,
-        tuple(query.shape),
-        key.shape[-2],
-        device=query.device,
+        scale,
         q_positions=q_positions,
         k_positions=k_positions,
-    )
-    q, k, v = flatten_batch(query), flatten_batch(key), flatten_batch(value)  # [N, H, *, E]
-    if q.shape[1] != k.shape[1]:
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    )  # [N, H, *, E]
     out, lse = _TiledAttention.apply(
         q, k, v, spec, scale, block_q, block_k, max_span, *spec.parameters
     )
@@ -321,13 +318,9 @@ def _cost(call: AttentionCall) -> Estimate | None:
 
 TILED = register(
     Backend(
-        name="tiled",
         fn=tiled_attention,
         check=_check,
-        accepts_patterns=True,
-        accepts_positions=True,
         cost=_cost,
-        priority=30,
-        description="FlashAttention-2 tiles with an online softmax; skips masked-out tiles",
+        **TRAITS["tiled"].registry_fields(),
     )
 )

@@ -10,16 +10,14 @@ Shape notation: ``B`` batch dims, ``H`` query heads, ``L`` query length, ``S`` k
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from attnlab.backends.blocks import compute_dtype, flatten_batch, mask_spec, weights_from_lse
+from attnlab.backends.blocks import compute_dtype, prologue, weights_from_lse
 from attnlab.backends.tiled import tiled_forward
 from attnlab.functional._checks import check_attention_inputs, check_positions
-from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern
 
 __all__ = ["attention_weights"]
@@ -71,22 +69,20 @@ def attention_weights(
     """
     check_attention_inputs(query, key, key, enable_gqa=enable_gqa, dropout_p=0.0, scale=scale)
     q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
-    spec = mask_spec(
-        attn_mask,
-        is_causal,
-        tuple(query.shape),
-        key.shape[-2],
-        device=query.device,
-        q_positions=q_positions,
-        k_positions=k_positions,
-    )
-    cdt = compute_dtype(query.dtype)
     with torch.no_grad():
-        q, k = flatten_batch(query).to(cdt), flatten_batch(key).to(cdt)  # [N, H, *, E]
-        if q.shape[1] != k.shape[1]:
-            k = repeat_kv(k, q.shape[1] // k.shape[1])  # [N, H, S, E]
-        scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        _, lse = tiled_forward(q, k, k[..., :1], spec, scale_)  # a 1-wide value: only lse is used
+        # a 1-wide value: only the log-sum-exp of the forward is used
+        q, k, one, spec, scale_ = prologue(
+            query,
+            key,
+            key[..., :1],
+            attn_mask,
+            is_causal,
+            scale,
+            q_positions=q_positions,
+            k_positions=k_positions,
+            dtype=compute_dtype(query.dtype),
+        )  # [N, H, *, E]
+        _, lse = tiled_forward(q, k, one, spec, scale_)
         h_idx = _index("heads", heads, q.shape[1])
         r_idx = _index("rows", rows, q.shape[2])
         w = weights_from_lse(q, k, lse, spec, scale_, heads=h_idx, rows=r_idx)  # [N, h, r, S]

@@ -21,7 +21,7 @@ from attnlab.functional._checks import check_attention_inputs, check_dense_mask,
 from attnlab.functional.masks import MaskPattern, default_positions
 from attnlab.functional.score_mods import ScoreMod
 
-__all__ = ["safe_softmax", "scaled_dot_product_attention", "sdpa_reference"]
+__all__ = ["empty_attention", "safe_softmax", "scaled_dot_product_attention", "sdpa_reference"]
 
 AttnMask = Tensor | MaskPattern | None
 
@@ -43,6 +43,25 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     if n_rep == 1:
         return x
     return x.repeat_interleave(n_rep, dim=-3)
+
+
+def empty_attention(
+    query: Tensor, key: Tensor, value: Tensor, *, return_weights: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Attention with no queries (``L = 0``) or no keys (``S = 0``).
+
+    ``L = 0`` gives an empty output; ``S = 0`` gives zeros, as for a row whose keys are
+    all masked. Computed as ``(Q K^T) V`` with an empty inner dimension, so the result
+    stays connected to the inputs for autograd (their gradients are zeros).
+
+    Returns:
+        ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)``.
+    """
+    if query.dim() >= 4 and query.shape[-3] != key.shape[-3]:
+        n_rep = query.shape[-3] // key.shape[-3]
+        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # [B.., H, S, E]
+    weights = torch.matmul(query, key.transpose(-2, -1))  # [B.., H, L, S], empty
+    return torch.matmul(weights, value), (weights if return_weights else None)
 
 
 def position_grid(pos: Tensor, batch: tuple[int, ...], axis: str) -> Tensor:
@@ -156,6 +175,8 @@ def sdpa_reference(
     Returns:
         ``(output [B.., H, L, Ev], weights [B.., H, L, S] or None)`` in the input dtype.
     """
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return empty_attention(query, key, value, return_weights=return_weights)
     out_dtype = query.dtype
     compute = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
@@ -195,6 +216,70 @@ def sdpa_reference(
     probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p > 0 else weights
     out = torch.matmul(probs, v)  # [B.., H, L, Ev]
     return out.to(out_dtype), (weights.to(out_dtype) if return_weights else None)
+
+
+#: Signatures already validated: shapes, dtypes, devices and the scalar arguments
+#: decide validity, so a repeated call (a decode loop) is checked once.
+_VALID: set[tuple[object, ...]] = set()
+
+
+def _check_once(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    enable_gqa: bool,
+    dropout_p: float,
+    scale: float | None,
+) -> None:
+    """:func:`check_attention_inputs`, remembered per signature (it depends on nothing else)."""
+    hashable = type(dropout_p) in (int, float) and type(scale) in (int, float, type(None))
+    if (
+        hashable
+        and isinstance(query, Tensor)
+        and isinstance(key, Tensor)
+        and isinstance(value, Tensor)
+    ):
+        sig = (
+            query.shape,
+            key.shape,
+            value.shape,
+            query.dtype,
+            key.dtype,
+            value.dtype,
+            query.device,
+            key.device,
+            value.device,
+            enable_gqa,
+            type(dropout_p),
+            dropout_p,
+            type(scale),
+            scale,
+        )
+        if sig in _VALID:
+            return
+    else:
+        sig = None
+    check_attention_inputs(
+        query, key, value, enable_gqa=enable_gqa, dropout_p=dropout_p, scale=scale
+    )
+    if sig is not None:
+        if len(_VALID) > 4096:
+            _VALID.clear()
+        _VALID.add(sig)
+
+
+def check_pattern_fits(
+    pattern: MaskPattern,
+    query: Tensor,
+    key: Tensor,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+) -> None:
+    """Refuse a pattern whose data (documents, padding, global tokens) does not fit the call."""
+    L, S = query.shape[-2], key.shape[-2]
+    q_end = int(q_positions.max()) + 1 if q_positions is not None and L else L
+    k_end = int(k_positions.max()) + 1 if k_positions is not None and S else S
+    pattern.check_fits(q_end, k_end)
 
 
 def scaled_dot_product_attention(
@@ -256,10 +341,11 @@ def scaled_dot_product_attention(
         ValueError: shapes that do not fit, a bad head ratio, a bad ``dropout_p``
             or ``scale``, positions of the wrong shape or range, an unknown backend.
     """
-    check_attention_inputs(
-        query, key, value, enable_gqa=enable_gqa, dropout_p=dropout_p, scale=scale
-    )
-    q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
+    _check_once(query, key, value, enable_gqa, dropout_p, scale)
+    if q_positions is not None or k_positions is not None:
+        q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
+    if isinstance(attn_mask, MaskPattern):
+        check_pattern_fits(attn_mask, query, key, q_positions, k_positions)
     # The registry sits one layer up (attnlab.backends); this call is the hook
     # through which the public functional entry point reaches it.
     from attnlab.backends import dispatch
