@@ -31,6 +31,22 @@ def test_explain_says_a_compile_is_coming() -> None:
     assert "not compiled for this shape yet, first call costs ~15 s" in why
 
 
+def _torch_flex_is_sound() -> bool:
+    """Whether torch's own compiled FlexAttention (no attnlab code) matches SDPA here.
+
+    On this project's newer AVX2-only machines (AMD EPYC, no AVX-512), torch 2.13's
+    compiled CPU FlexAttention returns wrong values even without a mask; that is the
+    environment's, not attnlab's.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return bool(torch.allclose(out, ref, atol=1e-4, rtol=1e-4))
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
@@ -62,6 +78,8 @@ def test_compiled_flex_equals_reference(
     ref, _ = sdpa_reference(
         q, k, v, pattern.to_dense(40, 40), enable_gqa=True, score_mods=pattern.score_mods
     )
+    if not _torch_flex_is_sound():
+        pytest.skip("torch's compiled CPU FlexAttention is wrong on this machine (AVX2 only)")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     # cached now: auto no longer charges the compile, and no second warning
     assert "not compiled" not in explain(q, k, v, pattern, enable_gqa=True).reasons["flex"]

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from attnlab.analysis.attention_stats import attention_head_stats
+from attnlab.analysis.expert_stats import expert_load
 from attnlab.analysis.scaling import scaling_table
+from attnlab.viz.experts import expert_load_figure
 from attnlab.viz.heatmap import save_png
 from attnlab.viz.plots import cost_vs_length_figure, head_stat_figure
 
@@ -41,3 +43,17 @@ def test_scaling_rows_follow_the_formulas() -> None:
     assert sliding.attention_flops_per_layer == 4 * 12 * 64 * 256 * (256 + 512 + 14 * 768)
     assert sliding.kv_cache_bytes == rows["sliding", 1024].kv_cache_bytes  # capped by the window
     assert dense.score_matrix_bytes == 12 * 4096**2 * 4
+
+
+def test_expert_load_figure(tmp_path: Path) -> None:
+    loads = [
+        expert_load(torch.randn(20, 4, generator=torch.Generator().manual_seed(i)), 2, layer=i)
+        for i in range(3)
+    ]
+    loads.append(expert_load(torch.zeros(20, 4), 2, layer=3))
+    assert loads[-1].collapsed
+    fig = expert_load_figure(loads)
+    fig.savefig(tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no expert loads"):
+        expert_load_figure([])

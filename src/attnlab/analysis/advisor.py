@@ -508,6 +508,19 @@ def advise(
                 f"{small.ms:.0f} ms"
             )
         recs.append(Recommendation("latency", choice, lreason))
+    # -- state-space alternative (long contexts) --------------------------------------------
+    from attnlab.analysis.advice_recurrent import state_space_recommendation
+    from attnlab.analysis.cost import dtype_bytes
+
+    ss = state_space_recommendation(
+        spec,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        bytes_per_element=dtype_bytes(best.dtype),
+        task=task,
+    )
+    if ss is not None:
+        recs.append(ss)
     fits = best.bytes <= budget
     if not fits:
         notes.append(

@@ -16,10 +16,40 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "ArchSpec", "adapters", "describe", "preset", "register_adapter"]
+__all__ = ["PRESETS", "ArchSpec", "MoESpec", "adapters", "describe", "preset", "register_adapter"]
 
 FfnKind = Literal["standard", "gated"]
 NormKind = Literal["layernorm", "rmsnorm"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts layers of an architecture, as the cost model needs them.
+
+    Attributes:
+        num_layers: how many layers have an MoE feed-forward (the others are dense).
+        num_experts: routed experts ``E``.
+        top_k: experts per token ``k``.
+        intermediate_size: each routed expert's inner width ``F``.
+        gated: gated (three-matrix) experts.
+        activation: the experts' activation.
+        shared_intermediate_size: shared-expert width ``F_s`` (0: none).
+        shared_gate: the shared expert has a sigmoid gate (``D`` parameters).
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    gated: bool = True
+    activation: str = "silu"
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+
+    @property
+    def matrices(self) -> int:
+        """Weight matrices per expert: 3 gated, 2 plain."""
+        return 3 if self.gated else 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +90,8 @@ class ArchSpec:
         hidden_dropout: dropout probability on sublayer outputs (training).
         extra_parameters: parameters outside the pattern above (T5's relative-position
             bias tables...).
+        moe: the mixture-of-experts layers (their feed-forward replaces the dense one),
+            or None.
     """
 
     name: str
@@ -92,6 +124,7 @@ class ArchSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     extra_parameters: int = 0
+    moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -205,11 +238,18 @@ def _encoder(config: Any) -> ArchSpec:
     )
 
 
+def _ffn_name(config: Any) -> str:
+    moe = _moe_spec(config)
+    if moe is None:
+        return str(config.mlp)
+    return f"MoE {moe.num_experts}x top-{moe.top_k} in {moe.num_layers} layers"
+
+
 def _decoder(config: Any) -> ArchSpec:
     pos = config.position_embedding
     out_bias = config.attention_out_bias
     return ArchSpec(
-        name=f"decoder ({pos}, {config.mlp} FFN"
+        name=f"decoder ({pos}, {_ffn_name(config)} FFN"
         + (f", window {config.sliding_window})" if config.sliding_window else ")"),
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -236,6 +276,33 @@ def _decoder(config: Any) -> ArchSpec:
         window=config.sliding_window,
         attention_dropout=config.attention_dropout,
         hidden_dropout=config.hidden_dropout,
+        moe=_moe_spec(config),
+        # QK-norm (OLMoE): one RMSNorm weight per query and key channel in every layer
+        extra_parameters=(
+            config.num_hidden_layers
+            * (config.num_attention_heads + config.num_key_value_heads)
+            * config.head_dim
+            if getattr(config, "qk_norm", False)
+            else 0
+        ),
+    )
+
+
+def _moe_spec(config: Any) -> MoESpec | None:
+    """The MoE layers of a ``DecoderConfig`` (the first MoE layer's settings stand for all)."""
+    layers = getattr(config, "moe_layers", None)
+    if not layers:
+        return None
+    moe = config.layer_specs[layers[0]].moe
+    return MoESpec(
+        num_layers=len(layers),
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        intermediate_size=moe.intermediate_size,
+        gated=moe.expert_mlp == "gated",
+        activation=moe.hidden_act,
+        shared_intermediate_size=moe.shared_expert_intermediate_size,
+        shared_gate=moe.shared_expert_gate,
     )
 
 

@@ -54,6 +54,7 @@ from attnlab.analysis.cost_layers import (
     traits_of,
     window_density,
 )
+from attnlab.analysis.moe_cost import active_parameter_count, all_to_all_bytes
 
 __all__ = [
     "BACKEND_TRAITS",
@@ -171,6 +172,10 @@ class CostReport:
         score_matrix_bytes: one layer's ``B x H x L x S`` score matrix.
         total_bytes: parameters + gradients + optimizer + KV cache + activations.
         notes: assumptions that shaped the numbers.
+        active_parameter_count: parameters one token uses (MoE: ``k`` of ``E`` experts;
+            dense: all).
+        all_to_all_bytes: on-paper bytes expert parallelism moves for this pass
+            (``expert_parallel`` devices; 0 without MoE or with one device).
     """
 
     arch: ArchSpec
@@ -196,6 +201,8 @@ class CostReport:
     score_matrix_bytes: int
     total_bytes: int
     notes: list[str] = field(default_factory=list)
+    active_parameter_count: int = 0
+    all_to_all_bytes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``json.dumps``."""
@@ -212,6 +219,13 @@ class CostReport:
             f"  FLOPs {human_flops(self.flops)} (matmul {human_flops(self.matmul_flops)})",
             f"  parameters {self.parameter_count:,} = {human_bytes(self.parameter_bytes)}",
         ]
+        if self.arch.moe is not None:
+            lines.append(
+                f"  active parameters per token {self.active_parameter_count:,} "
+                f"({self.active_parameter_count / self.parameter_count:.1%})"
+            )
+            if self.all_to_all_bytes:
+                lines.append(f"  expert-parallel all-to-all {human_bytes(self.all_to_all_bytes)}")
         if self.mode == "training":
             lines.append(
                 f"  gradients {human_bytes(self.gradient_bytes)}, optimizer state "
@@ -313,6 +327,7 @@ def estimate(
     masked: bool | None = None,
     cache: str | None = None,
     cache_capacity: int | None = None,
+    expert_parallel: int = 1,
 ) -> CostReport:
     """Estimate FLOPs and memory of a model without running it.
 
@@ -349,6 +364,8 @@ def estimate(
             ones).
         cache_capacity: slots preallocated by a dynamic or static cache (default: the
             context, as ``generate`` does).
+        expert_parallel: devices the experts of MoE layers are spread over; sets
+            :attr:`CostReport.all_to_all_bytes` (on paper, balanced routing).
 
     Returns:
         A :class:`CostReport`.
@@ -362,6 +379,7 @@ def estimate(
         ("batch_size", batch_size),
         ("seq_len", seq_len),
         ("new_tokens", new_tokens),
+        ("expert_parallel", expert_parallel),
     ):
         check_positive_int(name, value)
     if window is not None:
@@ -590,6 +608,21 @@ def estimate(
     total = param_bytes + grad_bytes + opt_bytes + kv_bytes + chosen
     if spec.pattern_density is not None or mask is not None:
         notes.append(f"mask density {density:.3f} scales the work of tile-skipping backends")
+    a2a = 0.0
+    if spec.moe is not None:
+        a2a = all_to_all_bytes(
+            tokens,
+            spec.hidden_size,
+            spec.moe,
+            parallel=expert_parallel,
+            bytes_per_element=bpe,
+            backward=training,
+        )
+        notes.append(
+            f"MoE: {spec.moe.num_layers} layers route each token to {spec.moe.top_k} of "
+            f"{spec.moe.num_experts} experts (dropless: no capacity padding); activations of "
+            "the MoE feed-forward are costed as a dense one"
+        )
     return CostReport(
         arch=spec,
         mode=mode,
@@ -614,6 +647,8 @@ def estimate(
         score_matrix_bytes=int(score_bytes),
         total_bytes=int(total),
         notes=notes,
+        active_parameter_count=active_parameter_count(spec, n_params),
+        all_to_all_bytes=a2a,
     )
 
 

@@ -90,6 +90,10 @@ def parameter_count(spec: ArchSpec) -> int:
     # an encoder-decoder's decoder layer adds cross-attention and its norm
     dec_layer = layer + attn + norm
     total = spec.num_layers * layer + spec.num_decoder_layers * dec_layer
+    if spec.moe is not None:
+        from attnlab.analysis.moe_cost import moe_layer_parameters  # imports this module
+
+        total += spec.moe.num_layers * (moe_layer_parameters(d, spec.moe) - ffn)
     total += v * d
     if spec.learned_positions and spec.max_positions:
         total += spec.max_positions * d
@@ -261,9 +265,17 @@ def layer_flops(
         soft += ew["rope"] * (t * spec.q_dim + tk * spec.kv_dim)
     n_mats = 3 if spec.ffn == "gated" else 2
     ffn_mm = 2.0 * t * d * f * n_mats
-    ffn_ew = (
+    ffn_ew: float = (
         t * f * (activation_flops(spec.activation) + (ew["gate"] if spec.ffn == "gated" else 0))
     )
+    if spec.moe is not None and not sh.cross:
+        from attnlab.analysis.moe_cost import moe_layer_flops  # imports this module
+
+        # the per-layer average over dense and MoE layers (the caller multiplies by layers)
+        share = spec.moe.num_layers / spec.num_layers
+        moe_mm, moe_ew = moe_layer_flops(t, d, spec.moe)
+        ffn_mm = (1 - share) * ffn_mm + share * moe_mm
+        ffn_ew = (1 - share) * ffn_ew + share * moe_ew
     norm_ew = 2 * t * d * (ew[spec.norm] + ew["residual"])
     return {
         "projections": (q_proj + kv_proj + o_proj, 0.0),

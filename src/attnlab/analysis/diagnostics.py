@@ -15,7 +15,10 @@ Shape notation: ``B`` batch, ``H`` heads, ``L`` queries, ``S`` keys.
 * statistics of every attention layer and head (:class:`HeadStats`): how far rows are
   from summing to one, entropy, largest weight, share of attention on the first token
   (attention sinks, Xiao et al., 2023, "Efficient streaming language models with
-  attention sinks"), and rows whose keys are all masked.
+  attention sinks"), and rows whose keys are all masked;
+* for mixture-of-experts layers (:class:`~attnlab.modules.moe.MoEBlock`), the expert
+  load per layer (:class:`ExpertLoad`: tokens per expert, dropped share, router entropy),
+  with collapsed routers flagged.
 
 The per-module check is one float32 sum per output tensor (NaN and Inf propagate into
 the sum), so the hooks cost little next to the forward pass itself (see
@@ -37,9 +40,11 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.analysis.attention_stats import HeadStats, attention_head_stats
+from attnlab.analysis.expert_stats import ExpertLoad, expert_load
 
 __all__ = [
     "DiagnosisReport",
+    "ExpertLoad",
     "HeadStats",
     "Issue",
     "NonFiniteWatch",
@@ -89,6 +94,7 @@ class DiagnosisReport:
         backend: the attention backend ``auto`` resolved to during the pass.
         error: the exception the forward raised, if any (``"TypeName: message"``).
         error_module: the innermost module running when it was raised.
+        experts: expert load per MoE layer (empty without MoE layers).
     """
 
     ok: bool
@@ -101,6 +107,7 @@ class DiagnosisReport:
     backend: str = "auto"
     error: str | None = None
     error_module: str | None = None
+    experts: list[ExpertLoad] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``json.dumps``."""
@@ -142,6 +149,15 @@ class DiagnosisReport:
                     f"{int(row['layer']):>5}  {row['module']:<{width}}  {row['row_sum_error']:11.2e}  "
                     f"{row['entropy']:7.3f}  {row['max_weight']:10.3f}  "
                     f"{row['first_token_share']:17.3f}  {int(row['fully_masked_rows']):>17}"
+                )
+        if self.experts:
+            lines.append("")
+            lines.append("MoE layer  module  tokens per expert  max share  router entropy  dropped")
+            for x in self.experts:
+                flag = "  COLLAPSED" if x.collapsed else ""
+                lines.append(
+                    f"{x.layer:>9}  {x.module}  {x.tokens_per_expert}  {x.max_share:9.3f}  "
+                    f"{x.router_entropy:14.3f}  {x.dropped_share:7.3f}{flag}"
                 )
         return "\n".join(lines)
 
@@ -419,6 +435,53 @@ def _attention_capture(model: nn.Module, found: list[tuple[str, Tensor]]) -> Ite
             h.remove()
 
 
+def _router_hooks(model: nn.Module, found: list[tuple[str, Any, Any]]) -> list[Any]:
+    """Record each MoE block's output (router logits, dropped share) as it runs."""
+    from attnlab.modules.moe import MoEBlock
+
+    handles = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, MoEBlock):
+
+            def hook(m: nn.Module, args: Any, out: Any, name: str = name) -> None:
+                found.append((name, m, out))
+
+            handles.append(mod.register_forward_hook(hook))
+    return handles
+
+
+def _expert_issues(
+    found: list[tuple[str, Any, Any]], mask: Any
+) -> tuple[list[ExpertLoad], list[Issue]]:
+    loads, issues = [], []
+    for layer, (name, block, out) in enumerate(found):
+        load = expert_load(
+            out.router_logits,
+            block.router.top_k,
+            layer=layer,
+            module=name,
+            mask=mask if isinstance(mask, Tensor) else None,
+            dropped=out.dropped,
+        )
+        loads.append(load)
+        if load.collapsed:
+            k, e = block.router.top_k, block.router.num_experts
+            issues.append(
+                Issue(
+                    "router_collapse",
+                    name,
+                    f"expert {load.busiest_expert} is chosen by {load.max_share:.0%} of the "
+                    f"{load.tokens} tokens (balanced top-{k} of {e}: about {k / e:.0%}); "
+                    f"tokens per expert {load.tokens_per_expert}, router entropy "
+                    f"{load.router_entropy:.3f} nats",
+                    "the router has collapsed: check its weights (reload them), train with the "
+                    "load-balancing loss (output_router_logits=True, router_aux_loss_coef) or "
+                    "router noise/jitter",
+                )
+            )
+    return loads, issues
+
+
 def _mask_hooks(model: nn.Module, issues: list[Issue]) -> list[Any]:
     """Pre-hooks on attention modules that check the ``attn_mask`` each one receives."""
     from attnlab.modules.attention import MultiHeadAttention
@@ -495,6 +558,8 @@ def diagnose(
     output: Any = None
     watch = NonFiniteWatch(model)
     mask_handles = _mask_hooks(model, issues)
+    routed: list[tuple[str, Any, Any]] = []
+    mask_handles += _router_hooks(model, routed)
     capture = _attention_capture(model, found) if attention_stats else contextlib.nullcontext()
     backend = current()
     try:
@@ -562,6 +627,8 @@ def diagnose(
                 "reload or re-initialise those weights",
             )
         )
+    experts, expert_issues = _expert_issues(routed, kwargs.get("attention_mask"))
+    issues += expert_issues
     heads: list[HeadStats] = []
     for layer, (name, w) in enumerate(found):
         stats = attention_head_stats(w, layer=layer, module=name)
@@ -602,4 +669,5 @@ def diagnose(
         backend=backend,
         error=error,
         error_module=watch.deepest_on_error if error else None,
+        experts=experts,
     )

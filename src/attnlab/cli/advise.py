@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnlab.cli._common import positive_float, positive_int, print_json
+from attnlab._validate import check_real
+from attnlab.cli._common import _number_type, positive_float, positive_int, print_json
 
 
 def add_parser(sub: Any) -> None:
@@ -22,13 +23,14 @@ def add_parser(sub: Any) -> None:
         ),
         epilog=(
             "examples:\n  attnlab advise --task long-document --seq-len 8192 --memory-gb 4\n"
-            "  attnlab advise --task realtime --seq-len 4096 --memory-gb 4 --latency-ms 50"
+            "  attnlab advise --task realtime --seq-len 4096 --memory-gb 4 --latency-ms 50\n"
+            "  attnlab advise --params 20M --seq-len 1024 --memory-gb 8      (size a model)\n"
+            "  attnlab advise --hours 10 --seq-len 512 --memory-gb 4 --extrapolation 4"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--task",
-        required=True,
         choices=["classification", "long-document", "generation", "realtime"],
         help="what the model is for",
     )
@@ -48,11 +50,78 @@ def add_parser(sub: Any) -> None:
         help="start from this config JSON (attnlab's, or a Hugging Face config.json / folder)",
     )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    size = p.add_argument_group(
+        "sizing (recommend layers, width, heads from a budget; give one of --params, "
+        "--compute, --hours instead of --task)"
+    )
+    size.add_argument("--params", type=_amount, help="parameter budget (e.g. 20M, 1.3B)")
+    size.add_argument(
+        "--compute", type=_amount, help="training compute budget in FLOPs (e.g. 1e18)"
+    )
+    size.add_argument("--hours", type=_amount, help="training time budget on this machine")
+    size.add_argument("--tokens", type=_amount, help="training tokens available (e.g. 500M)")
+    size.add_argument(
+        "--vocab-size", type=positive_int, default=32000, help="vocabulary (default 32000)"
+    )
+    size.add_argument(
+        "--extrapolation",
+        type=positive_float,
+        default=1.0,
+        help="inputs reach this many times the training length (chooses the positions)",
+    )
+    size.add_argument("--gflops", type=_amount, help="measured matmul GFLOP/s of the machine")
     p.set_defaults(func=run)
+
+
+_SUFFIX = {"K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "T": 1e12}
+
+
+def _suffixed(text: str) -> float:
+    """``"20M"`` -> 2e7, ``"1e18"`` -> 1e18 (``ValueError`` when it is no number)."""
+    t = text.strip()
+    mult = _SUFFIX.get(t[-1:].upper(), 1.0) if t else 1.0
+    return float(t[:-1] if mult != 1.0 else t) * mult
+
+
+_amount = _number_type(
+    "a positive number such as 20M, 1.3B or 1e18",
+    _suffixed,
+    lambda v: check_real("value", v, gt=0.0),
+)
+
+
+def run_sizing(args: argparse.Namespace) -> int:
+    from attnlab.analysis.sizing import size_model
+
+    advice = size_model(
+        context=args.seq_len,
+        memory_gb=args.memory_gb,
+        params=args.params,
+        compute_flops=args.compute,
+        hours=args.hours,
+        tokens=args.tokens,
+        vocab_size=args.vocab_size,
+        batch_size=args.batch_size,
+        extrapolation=args.extrapolation,
+        throughput_gflops=args.gflops,
+    )
+    if args.json:
+        print_json(advice.to_dict())
+    else:
+        print(advice.summary())
+    return 0 if advice.fits else 1
 
 
 def run(args: argparse.Namespace) -> int:
     from attnlab.analysis.advisor import advise
+
+    sizing = [n for n in ("params", "compute", "hours") if getattr(args, n) is not None]
+    if sizing:
+        if args.task is not None:
+            raise ValueError(f"pass --task or a sizing budget (--{sizing[0]}), not both")
+        return run_sizing(args)
+    if args.task is None:
+        raise ValueError("pass --task (advice for a use) or one of --params/--compute/--hours")
     from attnlab.analysis.arch import preset
     from attnlab.cli.estimate import config_from_file
 

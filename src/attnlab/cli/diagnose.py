@@ -7,7 +7,7 @@ from typing import Any
 
 from attnlab.cli._common import print_json
 
-FAULTS = ("nan-weights", "blank-mask", "float-mask", "overflow")
+FAULTS = ("nan-weights", "blank-mask", "float-mask", "overflow", "collapsed-router")
 
 
 def add_parser(sub: Any) -> None:
@@ -20,8 +20,9 @@ def add_parser(sub: Any) -> None:
             "with the statistics of its inputs, checks the inputs' shapes and masks and spells "
             "out the fix, and lists per layer (and, with --heads, per head) the attention "
             "statistics: row-sum error, entropy, largest weight, share on the first token "
-            "(attention sinks) and fully masked rows. --inject plants a known fault to see "
-            "what the report says about it."
+            "(attention sinks) and fully masked rows; for MoE models, the expert load per layer "
+            "(tokens per expert, dropped share, router entropy) with collapsed routers flagged. "
+            "--inject plants a known fault to see what the report says about it."
         ),
         epilog="example:\n  attnlab diagnose --text 'time flies like an arrow' --inject nan-weights",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -36,7 +37,8 @@ def add_parser(sub: Any) -> None:
         "--inject",
         choices=FAULTS,
         help="plant a fault: NaN in layer 1's feed-forward weights, a mask blanking the last "
-        "sequence, an additive float mask as attention_mask, float16 overflow",
+        "sequence, an additive float mask as attention_mask, float16 overflow, a collapsed "
+        "router in the last MoE layer (an MoE --model: Mixtral, Qwen2-MoE, OLMoE)",
     )
     p.add_argument("--heads", action="store_true", help="print every head, not only layers")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -56,7 +58,18 @@ def run(args: argparse.Namespace) -> int:
     if any(not t.strip() for t in texts):
         raise ValueError("--text is empty")
     batch = dict(tokenizer(texts, return_tensors="pt", padding=True))
-    if args.inject == "nan-weights":
+    if args.inject == "collapsed-router":
+        from attnlab.modules.moe import MoEBlock
+
+        blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        if not blocks:
+            raise ValueError(
+                f"--inject collapsed-router needs a model with MoE layers; {name} has none "
+                "(pass --model with a Mixtral, Qwen2-MoE or OLMoE folder)"
+            )
+        with torch.no_grad():  # equal logits for every expert: every token picks the same ones
+            blocks[-1].router.weight.zero_()
+    elif args.inject == "nan-weights":
         layer = model.layers[min(1, len(model.layers) - 1)]
         with torch.no_grad():
             layer.feed_forward.fc_in.weight[0, 0] = float("nan")

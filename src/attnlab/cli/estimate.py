@@ -71,7 +71,10 @@ def _spec(args: argparse.Namespace) -> Any:
     from attnlab.analysis.arch import describe, preset
 
     if args.config:
-        return describe(config_from_file(args.config))
+        from attnlab.analysis.cost_recurrent import is_recurrent
+
+        config = config_from_file(args.config)
+        return config if is_recurrent(config) else describe(config)
     return preset(args.preset)
 
 
@@ -86,6 +89,7 @@ def config_from_file(path: str) -> Any:
 
     from attnlab.models.config import EncoderConfig
     from attnlab.models.decoder_config import DecoderConfig
+    from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
     from attnlab.models.seq2seq_config import Seq2SeqConfig
 
     file = Path(path)
@@ -108,7 +112,7 @@ def config_from_file(path: str) -> Any:
             )
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"transformers config: {e}")
-    for cls in (EncoderConfig, DecoderConfig, Seq2SeqConfig):
+    for cls in (EncoderConfig, DecoderConfig, Seq2SeqConfig, MambaConfig, RWKVConfig, RetNetConfig):
         try:
             return cls.from_dict(data)  # type: ignore[attr-defined]
         except (ValueError, TypeError) as e:
@@ -144,12 +148,15 @@ def _f(n: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from attnlab.analysis.arch import ArchSpec
     from attnlab.analysis.cost import estimate
     from attnlab.analysis.scaling import SEQ_LENS, scaling_table, tutorial_variants
 
     if args.plot:  # before the work: an unwritable --plot fails at once
         writable_file("--plot", args.plot)
     spec = _spec(args)
+    if not isinstance(spec, ArchSpec):  # a state-space / recurrent model
+        return _run_recurrent(spec, args)
     if args.seq_len is not None:
         report = estimate(
             spec,
@@ -213,4 +220,60 @@ def run(args: argparse.Namespace) -> int:
 
         path = save_png(cost_vs_length_figure(rows), args.plot)
         print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _run_recurrent(config: Any, args: argparse.Namespace) -> int:
+    """``estimate`` of a Mamba/Mamba-2/RWKV/RetNet config: one report, or a table over lengths."""
+    from attnlab.analysis.cost_recurrent import estimate_recurrent
+    from attnlab.analysis.scaling import SEQ_LENS
+
+    if args.seq_len is not None:
+        report = estimate_recurrent(
+            config,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            mode=args.mode,
+            dtype=args.dtype,
+        )
+        print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+        return 0
+    lens = [n for n in SEQ_LENS if n <= args.max_len]
+    rows = []
+    for n in lens:
+        inf = estimate_recurrent(config, batch_size=args.batch_size, seq_len=n, dtype=args.dtype)
+        train = estimate_recurrent(
+            config, batch_size=args.batch_size, seq_len=n, mode="training", dtype=args.dtype
+        )
+        dec = estimate_recurrent(
+            config, batch_size=args.batch_size, seq_len=n, mode="decode", dtype=args.dtype
+        )
+        rows.append((n, inf, train, dec))
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "seq_len": n,
+                        "inference": i.to_dict(),
+                        "training": t.to_dict(),
+                        "decode": d.to_dict(),
+                    }
+                    for n, i, t, d in rows
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    print(
+        f"{rows[0][1].model}: batch {args.batch_size}, {args.dtype}; the state replaces the KV cache"
+    )
+    print(
+        f"{'seq_len':>7}  {'model fwd':>12}  {'train acts':>12}  {'decode/token':>12}  {'state':>10}"
+    )
+    for n, i, t, d in rows:
+        print(
+            f"{n:>7}  {_f(i.flops):>12}  {_b(t.activation_bytes):>12}  {_f(d.flops):>12}  "
+            f"{_b(d.state_bytes):>10}"
+        )
     return 0

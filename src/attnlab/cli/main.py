@@ -38,7 +38,10 @@ SUBCOMMANDS: list[str] = [
     "visualize",
     "backends",
     "embed",
+    "train",
     "serve",
+    "distill",
+    "experiment",
 ]
 
 EXIT_FAILURE = 1  # valid arguments, the work failed

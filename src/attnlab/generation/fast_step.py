@@ -29,6 +29,7 @@ from attnlab.cache.kv_cache import DynamicKVCache, ModelCache
 from attnlab.functional.positions import apply_rope
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
 from attnlab.models.decoder import DecoderLM
+from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.norms import RMSNorm
@@ -97,6 +98,7 @@ class FastDecodeStep:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             attn, ff = layer.self_attention, layer.feed_forward
+            assert isinstance(attn, MultiHeadAttention) and layer.ffn_norm is not None
             if isinstance(ff, GatedFeedForward):
                 gate, up, down = _w(ff.gate_proj), _w(ff.up_proj), _w(ff.down_proj)
             else:
@@ -192,13 +194,19 @@ class FastDecodeStep:
 def fast_step_for(model: object, cache: object) -> FastDecodeStep | None:
     """A :class:`FastDecodeStep` when ``model``/``cache`` are supported, else None.
 
-    Supported: a :class:`DecoderLM` in eval mode without sliding window, with
-    :class:`DynamicKVCache` caches and LayerNorm/RMSNorm norms.
+    Supported: a :class:`DecoderLM` in eval mode without sliding window, with dense
+    feed-forwards only, :class:`DynamicKVCache` caches and LayerNorm/RMSNorm norms.
     """
     if not isinstance(model, DecoderLM) or model.training or not isinstance(cache, ModelCache):
         return None
     if model.config.sliding_window is not None:
         return None
+    if not all(
+        isinstance(layer.self_attention, MultiHeadAttention)
+        and isinstance(layer.feed_forward, FeedForward | GatedFeedForward)
+        for layer in model.layers
+    ):
+        return None  # MoE or state-space layers: the model's own forward
     if not all(isinstance(c, DynamicKVCache) for c in cache.layers):
         return None
     norms = [model.norm] + [

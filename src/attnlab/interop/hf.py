@@ -110,7 +110,16 @@ def register_converter(conv: Converter) -> Converter:
 
 
 def _ensure_registered() -> None:
-    from attnlab.interop import bert, bloom, gpt2, llama, longformer, t5  # noqa: F401  (registers)
+    from attnlab.interop import (  # noqa: F401  (registers)
+        bert,
+        bloom,
+        gpt2,
+        llama,
+        longformer,
+        moe,
+        ssm,
+        t5,
+    )
 
 
 def supported_architectures() -> list[str]:

@@ -19,6 +19,7 @@ from attnlab.interop.hf import (
 )
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.layout import LayerSpec
 
 _UNSUPPORTED_ROPE_KEYS = ("partial_rotary_factor",)
 
@@ -170,6 +171,9 @@ def add_tied_head(weights: dict[str, Tensor], model: nn.Module) -> dict[str, Ten
 def _rope_model(model: Any, *, windowed: bool) -> bool:
     if not isinstance(model, DecoderLM) or model.config.position_embedding != "rope":
         return False
+    c = model.config
+    if c.qk_norm or any(spec != LayerSpec() for spec in c.layer_specs):
+        return False  # MoE layers and QK-norm: interop/moe.py
     return (model.config.sliding_window is not None) == windowed
 
 

@@ -4,7 +4,13 @@ from attnlab.models.config import EncoderConfig
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.encoder import EncoderModel
-from attnlab.models.outputs import CausalLMOutput, EncoderOutput, Seq2SeqLMOutput
+from attnlab.models.masked_lm import EncoderForMaskedLM
+from attnlab.models.outputs import (
+    CausalLMOutput,
+    EncoderOutput,
+    MaskedLMOutput,
+    Seq2SeqLMOutput,
+)
 from attnlab.models.seq2seq import Seq2SeqLM
 from attnlab.models.seq2seq_config import Seq2SeqConfig
 
@@ -13,8 +19,10 @@ __all__ = [
     "DecoderConfig",
     "DecoderLM",
     "EncoderConfig",
+    "EncoderForMaskedLM",
     "EncoderModel",
     "EncoderOutput",
+    "MaskedLMOutput",
     "Seq2SeqConfig",
     "Seq2SeqLM",
     "Seq2SeqLMOutput",

@@ -52,6 +52,8 @@ class EncoderConfig(ConfigBase):
             ``"alibi"`` (a symmetric linear bias ``-m_h |i - j|``, Press et al., 2022): the
             last two have no learned position table, and suit long encoders.
         rope_theta: RoPE's base.
+        gradient_checkpointing: recompute each layer in the backward instead of keeping
+            its activations (training only).
     """
 
     vocab_size: int = 30522
@@ -72,6 +74,7 @@ class EncoderConfig(ConfigBase):
     attention_window: int | tuple[int, ...] | None = None
     position_embedding_type: str = "absolute"
     rope_theta: float = 10000.0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in (

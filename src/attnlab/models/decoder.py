@@ -29,18 +29,25 @@ from attnlab.cache.kv_cache import (
     StaticKVCache,
 )
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
+from attnlab.functional.losses import causal_lm_loss
+from attnlab.functional.masks import MaskPattern, causal, sliding_window
+from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.functional.slot_masks import positions_from_mask, slot_mask
+from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.layout import LayerSpec, MoEConfig
+from attnlab.models.mixers import MixerParts, build_mixer
 from attnlab.models.outputs import CausalLMOutput
-from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.decoder_layer import DecoderLayer
+from attnlab.modules.experts import Experts, Router
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
+from attnlab.modules.moe import MoEBlock
 from attnlab.modules.norms import RMSNorm
 from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.modules.rotary import RotaryEmbedding
 from attnlab.modules.score_bias import ALiBi
 
-__all__ = ["DecoderLM", "build_decoder_layer", "make_norm"]
+__all__ = ["DecoderLM", "build_decoder_layer", "build_feed_forward", "build_moe", "make_norm"]
 
 CacheKind = Literal["dynamic", "static"]
 
@@ -54,46 +61,89 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm' or 'layernorm'")
 
 
+def build_feed_forward(config: DecoderConfig, spec: LayerSpec) -> nn.Module | None:
+    """The feed-forward ``spec`` names: dense (the config's ``mlp``), MoE, or None."""
+    d = config.hidden_size
+    if spec.ffn == "none":
+        return None
+    if spec.ffn == "moe":
+        assert spec.moe is not None
+        return build_moe(spec.moe, d, bias=config.mlp_bias)
+    if config.mlp == "gated":
+        return GatedFeedForward(
+            embed_dim=d,
+            hidden_dim=config.intermediate_size,
+            activation=config.hidden_act,
+            bias=config.mlp_bias,
+        )
+    return FeedForward(
+        embed_dim=d,
+        hidden_dim=config.intermediate_size,
+        activation=config.hidden_act,
+        bias=config.mlp_bias,
+    )
+
+
+def build_moe(moe: MoEConfig, embed_dim: int, *, bias: bool = False) -> MoEBlock:
+    """A :class:`MoEBlock` as ``moe`` describes it (the shared expert is a gated or plain
+    feed-forward like the routed ones)."""
+    shared: nn.Module | None = None
+    if moe.shared_expert_intermediate_size:
+        kind = GatedFeedForward if moe.expert_mlp == "gated" else FeedForward
+        shared = kind(
+            embed_dim=embed_dim,
+            hidden_dim=moe.shared_expert_intermediate_size,
+            activation=moe.hidden_act,
+            bias=bias,
+        )
+    return MoEBlock(
+        router=Router(
+            embed_dim=embed_dim,
+            num_experts=moe.num_experts,
+            top_k=moe.top_k,
+            router=moe.router,
+            normalize=moe.norm_topk_prob,
+            capacity_factor=moe.capacity_factor,
+            jitter=moe.router_jitter,
+            noise_std=moe.router_noise_std,
+        ),
+        experts=Experts(
+            num_experts=moe.num_experts,
+            embed_dim=embed_dim,
+            hidden_dim=moe.intermediate_size,
+            activation=moe.hidden_act,
+            gated=moe.expert_mlp == "gated",
+        ),
+        shared_expert=shared,
+        shared_expert_gate=nn.Linear(embed_dim, 1, bias=False) if moe.shared_expert_gate else None,
+        dispatch=moe.dispatch,
+        capacity_factor=moe.capacity_factor,
+    )
+
+
 def build_decoder_layer(
     config: DecoderConfig,
     *,
+    layer_index: int = 0,
     rotary: nn.Module | None = None,
     score_bias: nn.Module | None = None,
     backend: str = "auto",
 ) -> DecoderLayer:
-    """One decoder layer as ``config`` describes it, with the given position components."""
+    """Decoder layer ``layer_index`` as ``config.layer_specs`` describes it (its mixer from
+    :mod:`attnlab.models.mixers`, its feed-forward), with the shared position components."""
     d = config.hidden_size
-    ff: nn.Module
-    if config.mlp == "gated":
-        ff = GatedFeedForward(
-            embed_dim=d,
-            hidden_dim=config.intermediate_size,
-            activation=config.hidden_act,
-            bias=config.mlp_bias,
-        )
-    else:
-        ff = FeedForward(
-            embed_dim=d,
-            hidden_dim=config.intermediate_size,
-            activation=config.hidden_act,
-            bias=config.mlp_bias,
-        )
+    spec = config.layer_specs[layer_index]
+    mixer = build_mixer(
+        spec.mixer,
+        config,
+        MixerParts(layer_index=layer_index, rotary=rotary, score_bias=score_bias, backend=backend),
+    )
+    ff = build_feed_forward(config, spec)
     return DecoderLayer(
-        self_attention=MultiHeadAttention(
-            embed_dim=d,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            bias=config.attention_bias,
-            out_bias=config.attention_out_bias,
-            dropout=config.attention_dropout,
-            backend=backend,
-            rotary=rotary,
-            score_bias=score_bias,
-        ),
+        self_attention=mixer,
         feed_forward=ff,
         self_attn_norm=make_norm(config.norm, d, config.norm_eps),
-        ffn_norm=make_norm(config.norm, d, config.norm_eps),
+        ffn_norm=make_norm(config.norm, d, config.norm_eps) if ff is not None else None,
         norm_position="pre",
         dropout=config.hidden_dropout,
     )
@@ -145,8 +195,10 @@ class DecoderLM(nn.Module):
         elif config.position_embedding == "alibi":
             self.alibi = ALiBi(num_heads=config.num_attention_heads)
         self.layers = nn.ModuleList(
-            build_decoder_layer(config, rotary=self.rotary, score_bias=self.alibi, backend=backend)
-            for _ in range(config.num_hidden_layers)
+            build_decoder_layer(
+                config, layer_index=i, rotary=self.rotary, score_bias=self.alibi, backend=backend
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.norm = make_norm(config.norm, d, config.norm_eps)
         self.lm_head = (
@@ -183,7 +235,7 @@ class DecoderLM(nn.Module):
     def forward(
         self,
         input_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
+        attention_mask: Tensor | MaskPattern | None = None,
         position_ids: Tensor | None = None,
         past_key_values: ModelCache | None = None,
         use_cache: bool = False,
@@ -191,13 +243,17 @@ class DecoderLM(nn.Module):
         output_hidden_states: bool = False,
         inputs_embeds: Tensor | None = None,
         logits_to_keep: int = 0,
+        output_router_logits: bool = False,
+        labels: Tensor | None = None,
     ) -> CausalLMOutput:
         """Next-token logits for ``L`` new tokens, after the cached ones.
 
         Args:
             input_ids: ``[B, L]`` token ids (or ``inputs_embeds [B, L, D]``).
             attention_mask: ``[B, T]`` of 1/0 over cached + new tokens (``T = cached + L``);
-                left padding is supported.
+                left padding is supported. Without a cache, also a pattern that the
+                causal mask (and the sliding window) is combined with, e.g.
+                ``document(doc_ids)`` for packed training rows.
             position_ids: ``[B, L]`` positions; default from ``attention_mask``
                 (``cumsum - 1``) or ``cached .. cached+L-1``.
             past_key_values: a :class:`ModelCache` (from :meth:`new_cache` or a previous
@@ -207,6 +263,12 @@ class DecoderLM(nn.Module):
             output_hidden_states: return the embeddings and every layer's output.
             inputs_embeds: ``[B, L, D]`` instead of ``input_ids``.
             logits_to_keep: compute logits for the last ``n`` tokens only (0 = all).
+            output_router_logits: return each MoE layer's router logits ``[B * L, E]``
+                and the load-balancing ``aux_loss`` over them (transformers'
+                ``load_balancing_loss_func``: padding left out by ``attention_mask``).
+            labels: ``[B, L]`` target ids (usually ``input_ids``; ``-100`` = ignored);
+                the output's ``loss`` is the next-token cross-entropy, shifted as
+                transformers shifts it.
 
         Returns:
             :class:`CausalLMOutput`.
@@ -217,12 +279,16 @@ class DecoderLM(nn.Module):
         """
         x = self._embed_tokens(input_ids, inputs_embeds)  # [B, L, D]
         b, n = x.shape[:2]
+        pattern = attention_mask if isinstance(attention_mask, MaskPattern) else None
+        if pattern is not None and (past_key_values is not None or use_cache):
+            raise ValueError("a pattern attention_mask is for uncached forwards (no cache)")
+        pad_mask = None if isinstance(attention_mask, MaskPattern) else attention_mask
         cache = past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
         total = start + n
-        mask = self._check_mask(attention_mask, b, total)
+        mask = self._check_mask(pad_mask, b, total)
         full_pos = positions_from_mask(mask) if mask is not None else None  # [B, T]
         positions = self._positions(position_ids, full_pos, b, start, n, x.device)
         if self.embed_positions is not None:
@@ -231,7 +297,13 @@ class DecoderLM(nn.Module):
             x = self.embed_norm(x)
         x = self.dropout(x)
 
-        attn_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
+        self_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
+        attn_mask: Tensor | MaskPattern | None = self_mask
+        if pattern is not None:
+            window = self.config.sliding_window
+            combined = causal() & pattern
+            attn_mask = combined & sliding_window(window - 1) if window is not None else combined
+            is_causal = False
         key_positions = None
         if self.alibi is not None:
             slots = k_slots if k_slots is not None else torch.arange(total, device=x.device)
@@ -240,11 +312,15 @@ class DecoderLM(nn.Module):
             )
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
+        router_logits: list[Tensor] = []
         layer_caches: Iterator[KVCache | None] = (
             iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
         )
+        ckpt = checkpointing(self, cached=cache is not None)
         for layer, layer_cache in zip(self.layers, layer_caches):
-            x, w, _ = layer(
+            x, w, _, r = call_layer(
+                layer,
+                ckpt,
                 x,
                 attn_mask=attn_mask,
                 is_causal=is_causal,
@@ -259,20 +335,59 @@ class DecoderLM(nn.Module):
                 attentions.append(w)
             if output_hidden_states:
                 hidden.append(x)
+            if output_router_logits and r is not None:
+                router_logits.append(r)
         x = self.norm(x)
         if output_hidden_states:
             hidden[-1] = x
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
+        aux_loss = None
+        if output_router_logits and router_logits:
+            # a pattern (packed rows) has no padding to leave out of the balance
+            pad = attention_mask if isinstance(attention_mask, Tensor) else None
+            aux_loss = self._aux_loss(router_logits, pad, b, n)
         return CausalLMOutput(
             logits=logits,
+            loss=causal_lm_loss(logits, labels) if labels is not None else None,
             past_key_values=cache if (use_cache or past_key_values is not None) else None,
             hidden_states=tuple(hidden) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
+            router_logits=tuple(router_logits) if output_router_logits else None,
+            aux_loss=aux_loss,
         )
 
     # ------------------------------------------------------------------ pieces
+
+    def router_loss(
+        self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None = None
+    ) -> Tensor:
+        """The routers' training loss to add to the language-model loss:
+        ``router_aux_loss_coef * load_balancing + router_z_loss_coef * z_loss`` (Fedus et
+        al., 2021; Zoph et al., 2022), with the first MoE layer's coefficients.
+
+        Args:
+            router_logits: ``output.router_logits`` (``output_router_logits=True``).
+            attention_mask: ``[B, L]`` 1/0 over the same tokens, padding left out.
+        """
+        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        assert moe is not None
+        loss = moe.router_aux_loss_coef * load_balancing_loss(
+            router_logits, moe.num_experts, moe.top_k, attention_mask
+        )
+        if moe.router_z_loss_coef:
+            loss = loss + moe.router_z_loss_coef * router_z_loss(router_logits, attention_mask)
+        return loss
+
+    def _aux_loss(
+        self, router_logits: list[Tensor], attention_mask: Tensor | None, b: int, n: int
+    ) -> Tensor:
+        """Load-balancing loss over the MoE layers (the first MoE layer's ``E`` and ``k``)."""
+        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        assert moe is not None
+        mask = attention_mask[:, -n:] if attention_mask is not None else None  # [B, L]
+        return load_balancing_loss(router_logits, moe.num_experts, moe.top_k, mask)
 
     def _embed_tokens(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
         if (input_ids is None) == (inputs_embeds is None):

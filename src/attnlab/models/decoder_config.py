@@ -13,6 +13,7 @@ from typing import Any
 from attnlab.functional._checks import check_positive_int, check_probability, check_real
 from attnlab.functional.positions import check_rope_parameters
 from attnlab.models._base import ConfigBase
+from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.modules.activations import activation_names
 
 __all__ = ["DecoderConfig"]
@@ -56,6 +57,13 @@ class DecoderConfig(ConfigBase):
         attention_dropout: dropout on attention weights.
         hidden_dropout: dropout on embeddings and sublayer outputs.
         pad_token_id, bos_token_id, eos_token_id: special token ids (or None).
+        qk_norm: an RMSNorm over the whole query and key projections, before RoPE
+            (OLMoE, OLMo 2).
+        layers: the per-layer layout, one :class:`LayerSpec` per layer (mixer and
+            feed-forward: dense, mixture of experts or none); None means every layer is
+            attention + dense feed-forward. Dicts (from JSON) are accepted.
+        gradient_checkpointing: recompute each layer in the backward instead of keeping
+            its activations (training only; see :mod:`attnlab.models._checkpoint`).
     """
 
     vocab_size: int = 32000
@@ -85,6 +93,9 @@ class DecoderConfig(ConfigBase):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    qk_norm: bool = False
+    layers: tuple[LayerSpec, ...] | None = None
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -131,8 +142,58 @@ class DecoderConfig(ConfigBase):
         check_probability("attention_dropout", self.attention_dropout)
         check_probability("hidden_dropout", self.hidden_dropout)
         self._check_token_ids("pad_token_id", "bos_token_id", "eos_token_id")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        if self.layers is None:
+            return
+        if not isinstance(self.layers, list | tuple):
+            raise TypeError(
+                f"layers must be a tuple of LayerSpec (or None), got {type(self.layers).__name__}"
+            )
+        self.layers = tuple(
+            LayerSpec(**spec) if isinstance(spec, dict) else spec for spec in self.layers
+        )
+        if len(self.layers) != self.num_hidden_layers:
+            raise ValueError(
+                f"layers has {len(self.layers)} entries, num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        from attnlab.models.mixers import mixer_names  # registered mixers; avoids a cycle
+
+        for i, spec in enumerate(self.layers):
+            if not isinstance(spec, LayerSpec):
+                raise TypeError(f"layers[{i}] must be a LayerSpec, got {type(spec).__name__}")
+            if spec.mixer not in mixer_names():
+                raise ValueError(
+                    f"layers[{i}].mixer {spec.mixer!r} is not a registered mixer: {mixer_names()}"
+                )
+            if spec.moe is not None and spec.moe.router == "expert_choice":
+                raise ValueError(
+                    f"layers[{i}]: expert-choice routing compares tokens across the batch and "
+                    "the sequence, so a causal decoder cannot use it (a token would see later "
+                    "tokens); use a token-choice router (softmax_topk, topk_softmax, switch)"
+                )
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """The layout with defaults filled in: one :class:`LayerSpec` per layer."""
+        return self.layers if self.layers is not None else (LayerSpec(),) * self.num_hidden_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers whose feed-forward is a mixture of experts."""
+        return [i for i, spec in enumerate(self.layer_specs) if spec.ffn == "moe"]
 
     # ------------------------------------------------------------------ presets
+
+    @classmethod
+    def mixtral(cls, *, moe: MoEConfig | None = None, **overrides: Any) -> DecoderConfig:
+        """Mixtral (Jiang et al., 2024): Mistral's components with an MoE feed-forward in
+        every layer (default: 8 experts, top-2, renormalised)."""
+        moe = moe or MoEConfig()
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        return cls(layers=(LayerSpec(ffn="moe", moe=moe),) * n, **overrides)
 
     @classmethod
     def llama(cls, **overrides: Any) -> DecoderConfig:

@@ -15,6 +15,7 @@ from attnlab.functional._checks import check_binary_mask
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import document, full, padding, padding_mask
 from attnlab.functional.score_mods import ScoreMod, symmetric_alibi
+from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.config import EncoderConfig
 from attnlab.models.outputs import EncoderOutput
 from attnlab.modules.attention import MultiHeadAttention
@@ -322,8 +323,11 @@ class EncoderModel(nn.Module):
             mask = (full() if mask is None else mask).with_scores(self.alibi)
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
+        ckpt = checkpointing(self)
         for layer in self.layers:
-            x, w = layer(x, attn_mask=mask, need_weights=output_attentions, **layer_kwargs)
+            x, w = call_layer(
+                layer, ckpt, x, attn_mask=mask, need_weights=output_attentions, **layer_kwargs
+            )
             if output_attentions:
                 assert w is not None
                 attentions.append(w)
@@ -388,8 +392,11 @@ class EncoderModel(nn.Module):
             if key_mask is not None:
                 global_mask = global_mask & key_mask  # padding is never global
         hidden: list[Tensor] = [x] if output_hidden_states else []
+        ckpt = checkpointing(self)
         for layer in self.layers:
-            x, _ = layer(x, global_mask=global_mask, key_mask=key_mask, **layer_kwargs)
+            x, _ = call_layer(
+                layer, ckpt, x, global_mask=global_mask, key_mask=key_mask, **layer_kwargs
+            )
             if output_hidden_states:
                 hidden.append(x)
         if self.final_norm is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["CausalLMOutput", "EncoderOutput", "Seq2SeqLMOutput"]
+__all__ = ["CausalLMOutput", "EncoderOutput", "MaskedLMOutput", "Seq2SeqLMOutput"]
 
 
 @dataclass
@@ -36,12 +36,20 @@ class CausalLMOutput:
         past_key_values: the :class:`~attnlab.cache.ModelCache` when ``use_cache=True``.
         hidden_states: embeddings output and every layer's output, when asked for.
         attentions: one ``[B, H, L, S]`` tensor per layer, when ``output_attentions=True``.
+        loss: the mean next-token cross-entropy, when ``labels`` are given.
+        router_logits: one ``[B * L, E]`` tensor per MoE layer, when
+            ``output_router_logits=True``.
+        aux_loss: the load-balancing loss over ``router_logits`` (unscaled, as
+            transformers returns it), when ``output_router_logits=True``.
     """
 
     logits: Tensor
     past_key_values: Any = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+    loss: Tensor | None = None
+    router_logits: tuple[Tensor, ...] | None = None
+    aux_loss: Tensor | None = None
 
 
 @dataclass
@@ -55,6 +63,7 @@ class Seq2SeqLMOutput:
         decoder_attentions: decoder self-attention weights per layer, when asked for.
         cross_attentions: decoder cross-attention weights per layer, when asked for.
         encoder_attentions: encoder weights per layer, when asked for.
+        loss: the mean cross-entropy of the logits against ``labels``, when given.
     """
 
     logits: Tensor
@@ -63,3 +72,21 @@ class Seq2SeqLMOutput:
     decoder_attentions: tuple[Tensor, ...] | None = None
     cross_attentions: tuple[Tensor, ...] | None = None
     encoder_attentions: tuple[Tensor, ...] | None = None
+    loss: Tensor | None = None
+
+
+@dataclass
+class MaskedLMOutput:
+    """Output of an encoder with a masked-language-model head.
+
+    Attributes:
+        logits: ``[B, S, V]`` token scores at every position.
+        loss: the mean cross-entropy over the positions whose label is not ``-100``.
+        hidden_states: embeddings output and every layer's output, when asked for.
+        attentions: one ``[B, H, S, S]`` tensor per layer, when asked for.
+    """
+
+    logits: Tensor
+    loss: Tensor | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None

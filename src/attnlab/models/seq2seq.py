@@ -20,9 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.cache.kv_cache import DynamicKVCache, ModelCache
-from attnlab.functional._checks import check_binary_mask, check_token_ids
+from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
+from attnlab.functional.losses import shift_right, token_loss
 from attnlab.functional.masks import padding_mask
 from attnlab.functional.slot_masks import slot_mask
+from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder import make_norm
 from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.models.seq2seq_config import Seq2SeqConfig
@@ -170,8 +172,9 @@ class Seq2SeqLM(nn.Module):
         x = self._embed(input_ids, torch.arange(s, device=input_ids.device)[None])
         mask = self._encoder_mask(attention_mask, input_ids.shape[0], s)
         weights: list[Tensor] = []
+        ckpt = checkpointing(self)
         for layer in self.encoder_layers:
-            x, w = layer(x, attn_mask=mask, need_weights=output_attentions)
+            x, w = call_layer(layer, ckpt, x, attn_mask=mask, need_weights=output_attentions)
             if output_attentions:
                 assert w is not None
                 weights.append(w)
@@ -198,6 +201,7 @@ class Seq2SeqLM(nn.Module):
         use_cache: bool = False,
         output_attentions: bool = False,
         logits_to_keep: int = 0,
+        labels: Tensor | None = None,
     ) -> Seq2SeqLMOutput:
         """Decoder logits for ``decoder_input_ids`` given the source.
 
@@ -211,6 +215,10 @@ class Seq2SeqLM(nn.Module):
             use_cache: start a cache if none is given, and return it.
             output_attentions: return attention weights of every layer.
             logits_to_keep: logits of the last ``n`` tokens only (0 = all).
+            labels: ``[B, L]`` decoder targets (``-100`` = ignored); without
+                ``decoder_input_ids`` the decoder reads the labels shifted right after
+                ``decoder_start_token_id``, as transformers' T5 does. The output's
+                ``loss`` is their mean cross-entropy.
 
         Returns:
             :class:`Seq2SeqLMOutput`.
@@ -222,8 +230,15 @@ class Seq2SeqLM(nn.Module):
             encoder_outputs, enc_weights = self._encode(
                 input_ids, attention_mask, output_attentions
             )
+        if decoder_input_ids is None and labels is not None:
+            check_tensor("labels", labels)
+            decoder_input_ids = shift_right(
+                labels,
+                start_token_id=self.config.decoder_start_token_id,
+                pad_token_id=self.config.pad_token_id,
+            )
         if decoder_input_ids is None:
-            raise ValueError("decoder_input_ids is required")
+            raise ValueError("decoder_input_ids (or labels) is required")
         check_token_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
         b, n = decoder_input_ids.shape[0], decoder_input_ids.shape[-1]
         if encoder_outputs.shape[0] != b:
@@ -259,8 +274,11 @@ class Seq2SeqLM(nn.Module):
             if cache is not None and cache.cross
             else iter([None] * n_layers(self))
         )
+        ckpt = checkpointing(self, cached=cache is not None)
         for layer, lc, cc in zip(self.decoder_layers, layer_caches, cross_caches):
-            x, sw, cw = layer(
+            x, sw, cw, _ = call_layer(
+                layer,
+                ckpt,
                 x,
                 attn_mask=self_mask,
                 is_causal=is_causal,
@@ -285,6 +303,7 @@ class Seq2SeqLM(nn.Module):
         logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
         return Seq2SeqLMOutput(
             logits=logits,
+            loss=token_loss(logits, labels) if labels is not None else None,
             past_key_values=cache if (use_cache or past_key_values is not None) else None,
             encoder_last_hidden_state=encoder_outputs,
             decoder_attentions=tuple(self_w) if output_attentions else None,

@@ -47,6 +47,8 @@ class Seq2SeqConfig(ConfigBase):
             head (T5).
         dropout_rate: dropout on embeddings and sublayer outputs.
         pad_token_id, eos_token_id, decoder_start_token_id: special tokens.
+        gradient_checkpointing: recompute each layer in the backward instead of keeping
+            its activations (training only).
     """
 
     vocab_size: int = 32128
@@ -74,6 +76,7 @@ class Seq2SeqConfig(ConfigBase):
     pad_token_id: int = 0
     eos_token_id: int | None = 1
     decoder_start_token_id: int = 0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers"):

@@ -81,6 +81,9 @@ class MultiHeadAttention(nn.Module):
         score_bias: module returning a float bias added to the scores (e.g.
             :class:`~attnlab.modules.score_bias.ALiBi`), or None.
         scale: score scale; default ``1/sqrt(head_dim)``.
+        q_norm: a norm applied to the whole query projection ``[.., H * E]`` before the
+            heads are split (OLMoE's and OLMo 2's QK-norm), or None.
+        k_norm: the same for the key projection ``[.., H_kv * E]``, or None.
 
     Parameters are ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` (separate
     ``nn.Linear``s, the Hugging Face BERT/Llama layout). :meth:`load_layout`
@@ -102,6 +105,8 @@ class MultiHeadAttention(nn.Module):
         rotary: nn.Module | None = None,
         score_bias: nn.Module | None = None,
         scale: float | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
@@ -141,6 +146,8 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(
             num_heads * head_dim, embed_dim, bias=bias if out_bias is None else out_bias
         )
+        self.q_norm = q_norm
+        self.k_norm = k_norm
 
     def extra_repr(self) -> str:
         return (
@@ -236,8 +243,13 @@ class MultiHeadAttention(nn.Module):
                 mask = attn_mask.to_dense(query.shape[1], s, device=query.device)
                 mask = combine(mask, pad)
 
-        q = self._split(self.q_proj(query), self.num_heads)  # [b, H, L, h_d]
-        k = self._split(self.k_proj(key), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        q_flat, k_flat = self.q_proj(query), self.k_proj(key)  # [b, L, H*h_d], [b, S, H_kv*h_d]
+        if self.q_norm is not None:
+            q_flat = self.q_norm(q_flat)
+        if self.k_norm is not None:
+            k_flat = self.k_norm(k_flat)
+        q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
+        k = self._split(k_flat, self.num_kv_heads)  # [b, H_kv, S, h_d]
         v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
         if (self.rotary is not None or self.score_bias is not None) and positions is None:
             positions = torch.arange(cache_start, cache_start + query.shape[1], device=query.device)
@@ -311,7 +323,10 @@ class MultiHeadAttention(nn.Module):
                 f"batch size {query.shape[0]} does not match the cross-attention cache's "
                 f"{cache.key.shape[0]}"
             )
-        q = self._split(self.q_proj(query), self.num_heads)  # [b, H, L, h_d]
+        q_flat = self.q_proj(query)  # [b, L, H*h_d]
+        if self.q_norm is not None:
+            q_flat = self.q_norm(q_flat)
+        q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
         return self._attend(q, cache.key, cache.value, attn_mask, False, need_weights)
 
     # ------------------------------------------------------------------ layouts

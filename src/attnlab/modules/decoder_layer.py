@@ -1,4 +1,4 @@
-"""One Transformer decoder layer: causal self-attention, optional cross-attention, feed-forward.
+"""One Transformer decoder layer: a sequence mixer, optional cross-attention, feed-forward.
 
 Shape notation: ``B`` batch, ``L`` new tokens, ``S_enc`` encoder length, ``D`` width.
 
@@ -9,25 +9,48 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``S_enc`` encoder length, ``D`` w
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import Tensor, nn
 
 from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
 from attnlab.functional.attention import AttnMask
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.encoder_layer import NormPosition
+from attnlab.modules.moe import MoEOutput
 
-__all__ = ["DecoderLayer"]
+__all__ = ["DecoderLayer", "DecoderLayerOutput"]
+
+
+class DecoderLayerOutput(NamedTuple):
+    """What a decoder layer returns (unpacks as a 4-tuple).
+
+    Attributes:
+        hidden: ``[B, L, D]``.
+        self_weights: self-attention weights when asked for, else None.
+        cross_weights: cross-attention weights when asked for, else None.
+        router_logits: ``[B * L, E]`` when the feed-forward is a mixture of experts.
+    """
+
+    hidden: Tensor
+    self_weights: Tensor | None
+    cross_weights: Tensor | None
+    router_logits: Tensor | None
 
 
 class DecoderLayer(nn.Module):
-    """Self-attention (+ cross-attention) + feed-forward with residuals and norms.
+    """Sequence mixer (+ cross-attention) + feed-forward with residuals and norms.
 
     Args:
-        self_attention: the (causal) self-attention module, with its position components.
-        feed_forward: the feed-forward module (:class:`~attnlab.modules.mlp.FeedForward`
-            or :class:`~attnlab.modules.mlp.GatedFeedForward`).
+        self_attention: the sequence mixer: the (causal) self-attention module with its
+            position components, or any mixer registered in :mod:`attnlab.models.mixers`
+            (called with the same keywords, returning ``(output, weights or None)``).
+        feed_forward: the feed-forward module (:class:`~attnlab.modules.mlp.FeedForward`,
+            :class:`~attnlab.modules.mlp.GatedFeedForward`, or a
+            :class:`~attnlab.modules.moe.MoEBlock` whose router logits the layer returns),
+            or None for a mixer-only layer.
         self_attn_norm: norm of the self-attention sublayer.
-        ffn_norm: norm of the feed-forward sublayer.
+        ffn_norm: norm of the feed-forward sublayer (None with no feed-forward).
         cross_attention: encoder-decoder attention, or None for a decoder-only model.
         cross_attn_norm: norm of the cross-attention sublayer (with ``cross_attention``).
         norm_position: ``"pre"`` or ``"post"``.
@@ -37,10 +60,10 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         *,
-        self_attention: MultiHeadAttention,
-        feed_forward: nn.Module,
+        self_attention: nn.Module,
+        feed_forward: nn.Module | None,
         self_attn_norm: nn.Module,
-        ffn_norm: nn.Module,
+        ffn_norm: nn.Module | None,
         cross_attention: MultiHeadAttention | None = None,
         cross_attn_norm: nn.Module | None = None,
         norm_position: NormPosition = "pre",
@@ -51,6 +74,8 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
         if (cross_attention is None) != (cross_attn_norm is None):
             raise ValueError("cross_attention and cross_attn_norm go together")
+        if (feed_forward is None) != (ffn_norm is None):
+            raise ValueError("feed_forward and ffn_norm go together")
         self.self_attention = self_attention
         self.self_attn_norm = self_attn_norm
         self.cross_attention = cross_attention
@@ -86,8 +111,8 @@ class DecoderLayer(nn.Module):
         encoder_mask: AttnMask = None,
         cross_cache: CrossAttentionCache | None = None,
         need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``[B, L, D] -> ([B, L, D], self weights or None, cross weights or None)``.
+    ) -> DecoderLayerOutput:
+        """``[B, L, D] -> (hidden [B, L, D], self weights, cross weights, router logits)``.
 
         Args:
             x: the new tokens' hidden states.
@@ -138,8 +163,16 @@ class DecoderLayer(nn.Module):
             assert self.cross_attn_norm is not None
             x, cross_w = self._sublayer(x, self.cross_attn_norm, cross_attn)
 
-        def ffn(h: Tensor) -> tuple[Tensor, None]:
-            return self.feed_forward(h), None
+        router_logits = None
+        if self.feed_forward is not None:
+            feed_forward = self.feed_forward
 
-        x, _ = self._sublayer(x, self.ffn_norm, ffn)
-        return x, self_w, cross_w
+            def ffn(h: Tensor) -> tuple[Tensor, Tensor | None]:
+                out = feed_forward(h)
+                if isinstance(out, MoEOutput):
+                    return out.hidden, out.router_logits
+                return out, None
+
+            assert self.ffn_norm is not None
+            x, router_logits = self._sublayer(x, self.ffn_norm, ffn)
+        return DecoderLayerOutput(x, self_w, cross_w, router_logits)

@@ -1,0 +1,237 @@
+"""The selective scan of Mamba (S6): sequential reference, chunked scan and one-step update.
+
+Gu & Dao (2023), "Mamba: linear-time sequence modeling with selective state spaces",
+Algorithm 2. With input ``u``, step sizes ``delta`` (input-dependent), a diagonal state
+matrix ``A`` and input-dependent ``B``, ``C``, zero-order-hold discretisation gives, per
+channel ``d`` and state index ``n``:
+
+    h_t = exp(delta_t A) * h_{t-1} + delta_t B_t u_t        (state [D, N])
+    y_t = C_t . h_t + D u_t                                   (then * silu(z_t) if gated)
+
+Shape notation: ``B`` batch, ``L`` tokens, ``D`` channels (Mamba's ``d_inner``), ``N``
+state size, ``T`` chunk size. Tokens are the second dimension: ``u [B, L, D]``.
+
+Padding: where ``mask`` is 0 the step is skipped (``delta = 0``: the state neither decays
+nor takes input), so a left-padded row equals the same row run alone.
+
+:func:`selective_scan_reference` is the sequential definition, written for clarity.
+:func:`selective_scan_chunked` computes the same values with a two-level scan: every
+chunk is scanned locally (``T`` steps, all chunks at once), the chunk-end states are
+carried across chunks (``L / T`` steps), and each local state is corrected by the
+carried state times its cumulative decay (``exp(cumsum(delta A))``). The work is ``O(L)``
+like the sequential scan, in ``T + L/T`` vectorised steps instead of ``L``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.functional._scan_checks import check_chunk_size, check_float, check_shape, token_mask
+
+__all__ = ["selective_scan_chunked", "selective_scan_reference", "selective_scan_step"]
+
+
+def _prepare(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    delta_softplus: bool,
+    mask: Tensor | None,
+    initial_state: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate; return ``(delta [B, L, D], log-decay [B, L, D, N], input [B, L, D, N])``."""
+    check_float("u", u)
+    if u.dim() != 3:
+        raise ValueError(f"u must be (batch, seq_len, channels), got {tuple(u.shape)}")
+    b, l, d = u.shape
+    check_shape("delta", delta, (b, l, d), "(batch, seq_len, channels)")
+    check_float("A", A)
+    if A.dim() != 2 or A.shape[0] != d:
+        raise ValueError(f"A must be (channels={d}, state_size), got {tuple(A.shape)}")
+    n = A.shape[1]
+    check_shape("B", B, (b, l, n), "(batch, seq_len, state_size)")
+    check_shape("C", C, (b, l, n), "(batch, seq_len, state_size)")
+    if D is not None:
+        check_shape("D", D, (d,), "(channels,)")
+    if z is not None:
+        check_shape("z", z, (b, l, d), "(batch, seq_len, channels)")
+    if delta_bias is not None:
+        check_shape("delta_bias", delta_bias, (d,), "(channels,)")
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, (b, d, n), "(batch, channels, state_size)")
+    if delta_bias is not None:
+        delta = delta + delta_bias
+    if delta_softplus:
+        delta = F.softplus(delta)
+    m = token_mask(mask, b, l, delta)
+    if m is not None:
+        delta = delta * m[..., None]  # a skipped step: no decay, no input
+    log_a = delta[..., None] * A  # [B, L, D, N]
+    inp = (delta * u)[..., None] * B[:, :, None, :]  # [B, L, D, N]
+    return delta, log_a, inp
+
+
+def _finish(y: Tensor, u: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
+    if D is not None:
+        y = y + u * D
+    if z is not None:
+        y = y * F.silu(z)
+    return y
+
+
+def selective_scan_reference(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    *,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    mask: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    return_final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba's selective scan, one token at a time (the definition).
+
+    Args:
+        u: ``[B, L, D]`` input.
+        delta: ``[B, L, D]`` step sizes (before ``delta_bias``/softplus when those are given).
+        A: ``[D, N]`` continuous state matrix (diagonal per channel; negative for decay).
+        B: ``[B, L, N]`` input matrix per token.
+        C: ``[B, L, N]`` output matrix per token.
+        D: ``[D]`` skip connection, or None.
+        z: ``[B, L, D]`` gate (output multiplied by ``silu(z)``), or None.
+        delta_bias: ``[D]`` added to ``delta`` first.
+        delta_softplus: apply softplus to ``delta`` (after the bias).
+        mask: ``[B, L]`` 1 = token, 0 = padding (the step is skipped).
+        initial_state: ``[B, D, N]`` state before the first token (default zeros).
+        return_final_state: also return the state after the last token.
+
+    Returns:
+        ``y [B, L, D]``, and the final state ``[B, D, N]`` when asked for.
+
+    Raises:
+        ValueError: shapes that do not fit each other (the message names the argument).
+        TypeError: a non-floating tensor.
+    """
+    _, log_a, inp = _prepare(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, mask, initial_state
+    )
+    b, l, d = u.shape
+    h = (
+        initial_state
+        if initial_state is not None
+        else u.new_zeros((b, d, A.shape[1]), dtype=log_a.dtype)
+    )
+    a = torch.exp(log_a)
+    ys = []
+    for t in range(l):
+        h = a[:, t] * h + inp[:, t]  # [B, D, N]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
+    y = torch.stack(ys, dim=1) if ys else u.new_zeros((b, 0, d))  # [B, L, D]
+    y = _finish(y, u, D, z)
+    return (y, h) if return_final_state else y
+
+
+def selective_scan_chunked(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    *,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    mask: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    return_final_state: bool = False,
+    chunk_size: int = 64,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The selective scan in chunks: equal to :func:`selective_scan_reference`, faster.
+
+    Arguments and returns as :func:`selective_scan_reference`, plus ``chunk_size`` (tokens
+    per chunk, ``T``; any positive int, the sequence is padded to a multiple of it).
+    """
+    T = check_chunk_size(chunk_size)
+    _, log_a, inp = _prepare(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, mask, initial_state
+    )
+    b, l, d = u.shape
+    n = A.shape[1]
+    nc = max(1, -(-l // T))
+    pad = nc * T - l
+    if pad:
+        log_a = F.pad(log_a, (0, 0, 0, 0, 0, pad))
+        inp = F.pad(inp, (0, 0, 0, 0, 0, pad))
+        C = F.pad(C, (0, 0, 0, pad))
+    log_a = log_a.view(b, nc, T, d, n).transpose(0, 2)  # [T, nc, B, D, N]
+    inp = inp.view(b, nc, T, d, n).transpose(0, 2)
+    a = torch.exp(log_a)
+    # 1. each chunk from a zero state, all chunks at once
+    h = log_a.new_zeros((nc, b, d, n))
+    local = []
+    for t in range(T):
+        h = a[t] * h + inp[t]  # [nc, B, D, N]
+        local.append(h)
+    H = torch.stack(local)  # [T, nc, B, D, N]
+    decay = torch.exp(torch.cumsum(log_a, dim=0))  # [T, nc, B, D, N]: prod of a up to t
+    # 2. carry the chunk-end states across chunks
+    s = initial_state if initial_state is not None else log_a.new_zeros((b, d, n))
+    starts = []
+    for c in range(nc):
+        starts.append(s)
+        s = H[-1, c] + decay[-1, c] * s
+    H = H + decay * torch.stack(starts)  # [T, nc, B, D, N]
+    Cc = C.view(b, nc, T, n).permute(2, 1, 0, 3)  # [T, nc, B, N]
+    y = torch.einsum("tcbdn,tcbn->bctd", H, Cc).reshape(b, nc * T, d)[:, :l]  # [B, L, D]
+    y = _finish(y, u, D, z)
+    return (y, s) if return_final_state else y
+
+
+def selective_scan_step(
+    state: Tensor,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    *,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One decoding step: ``u, delta, z [B, D]``, ``B, C [B, N]``, ``state [B, D, N]``.
+
+    Returns:
+        ``(y [B, D], new state [B, D, N])``; equal to the reference on a one-token input.
+    """
+    b, d = u.shape[0], u.shape[-1]
+    y, h = selective_scan_reference(
+        u.reshape(b, 1, d),
+        delta.reshape(b, 1, d),
+        A,
+        B.reshape(b, 1, -1),
+        C.reshape(b, 1, -1),
+        D,
+        None if z is None else z.reshape(b, 1, d),
+        delta_bias=delta_bias,
+        delta_softplus=delta_softplus,
+        mask=None if mask is None else mask.reshape(b, 1),
+        initial_state=state,
+        return_final_state=True,
+    )
+    return y[:, 0], h

@@ -1,0 +1,152 @@
+"""The decoder's per-layer layout: which mixer and which feed-forward each layer has.
+
+``DecoderConfig(layers=(LayerSpec(...), ...))`` describes dense models (every layer
+``LayerSpec()``: attention + dense feed-forward), sparse ones (Mixtral: every layer
+``LayerSpec(ffn="moe", moe=MoEConfig(...))``; Qwen2-MoE mixes dense and MoE layers) and,
+with state-space mixers registered in :mod:`attnlab.models.mixers`, hybrids (Jamba).
+See ``docs/contracts.md`` section 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from attnlab.functional._checks import check_positive_int
+from attnlab.functional.routing import ROUTERS
+from attnlab.modules.activations import activation_names
+
+__all__ = ["FFN_KINDS", "LayerSpec", "MoEConfig"]
+
+FFN_KINDS = ("dense", "moe", "none")
+EXPERT_MLPS = ("gated", "standard")
+DISPATCHES = ("dropless", "capacity", "reference")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward (Shazeer et al., 2017; Fedus et al., 2021).
+
+    Attributes:
+        num_experts: routed experts ``E``.
+        top_k: experts per token ``k`` (expert-choice: the average, the paper's ``c``).
+        intermediate_size: each expert's inner width ``F``.
+        router: ``"softmax_topk"`` (Mixtral, Qwen2-MoE, OLMoE), ``"topk_softmax"``,
+            ``"switch"`` (top-1) or ``"expert_choice"`` (not causal: encoders only).
+        norm_topk_prob: renormalise the top-k probabilities (``"softmax_topk"`` only).
+        expert_mlp: ``"gated"`` (SwiGLU with ``silu``) or ``"standard"`` (two layers).
+        hidden_act: the experts' activation.
+        shared_expert_intermediate_size: width of an always-active shared expert (Qwen2-MoE;
+            DeepSeekMoE's ``n`` shared experts are one expert of ``n`` times the width),
+            0 for none.
+        shared_expert_gate: scale the shared expert by ``sigmoid(w . x)`` (Qwen2-MoE).
+        dispatch: how the routed experts run in training: ``"dropless"`` (sorted grouped
+            matmuls), ``"capacity"`` (Switch dropping) or ``"reference"`` (the loop).
+            Evaluation and cached decoding always run dropless.
+        capacity_factor: slots per expert relative to an even split (capacity dispatch
+            and expert choice): ``C = ceil(factor * k * N / E)``.
+        router_jitter: multiplicative ``U(1-eps, 1+eps)`` noise on the router's input in
+            training (Switch; Mixtral's ``router_jitter_noise``).
+        router_noise_std: additive Gaussian noise on the router logits in training
+            (noisy top-k gating, Shazeer et al., 2017).
+        router_aux_loss_coef: weight of the load-balancing loss added to a training loss.
+        router_z_loss_coef: weight of the router z-loss (ST-MoE) added to a training loss.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    intermediate_size: int = 14336
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    expert_mlp: str = "gated"
+    hidden_act: str = "silu"
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+    router_jitter: float = 0.0
+    router_noise_std: float = 0.0
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive_int("num_experts", self.num_experts)
+        check_positive_int("top_k", self.top_k)
+        check_positive_int("intermediate_size", self.intermediate_size)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        for name, value, allowed in (
+            ("router", self.router, ROUTERS),
+            ("expert_mlp", self.expert_mlp, EXPERT_MLPS),
+            ("dispatch", self.dispatch, DISPATCHES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if self.router == "switch" and self.top_k != 1:
+            raise ValueError(
+                f"router='switch' routes each token to one expert, got top_k={self.top_k}"
+            )
+        if self.hidden_act not in activation_names():
+            raise ValueError(f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}")
+        if (
+            isinstance(self.shared_expert_intermediate_size, bool)
+            or not isinstance(self.shared_expert_intermediate_size, int)
+            or self.shared_expert_intermediate_size < 0
+        ):
+            raise ValueError(
+                "shared_expert_intermediate_size must be an int >= 0 (0: no shared expert), "
+                f"got {self.shared_expert_intermediate_size!r}"
+            )
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError(
+                "shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)"
+            )
+        for name in ("capacity_factor",):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in (
+            "router_jitter",
+            "router_noise_std",
+            "router_aux_loss_coef",
+            "router_z_loss_coef",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.router_jitter >= 1:
+            raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter!r}")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its sequence mixer and its feed-forward.
+
+    Attributes:
+        mixer: a name registered in :mod:`attnlab.models.mixers` (``"attention"``; the
+            state-space mixers register theirs).
+        ffn: ``"dense"`` (the config's ``mlp``/``intermediate_size``), ``"moe"`` (with
+            ``moe``) or ``"none"`` (a mixer-only layer, as in Mamba).
+        moe: the mixture of experts when ``ffn == "moe"``.
+    """
+
+    mixer: str = "attention"
+    ffn: str = "dense"
+    moe: MoEConfig | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if not isinstance(self.mixer, str):
+            raise TypeError(f"mixer must be a mixer name (str), got {type(self.mixer).__name__}")
+        if self.ffn not in FFN_KINDS:
+            raise ValueError(f"ffn must be one of {list(FFN_KINDS)}, got {self.ffn!r}")
+        if (self.ffn == "moe") != (self.moe is not None):
+            raise ValueError(
+                f"a layer with ffn={self.ffn!r} {'needs' if self.ffn == 'moe' else 'takes no'} "
+                f"moe=MoEConfig(...), got moe={self.moe!r}"
+            )
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,443 @@
+"""Distil a sentence-embedding encoder into fewer layers, and measure what it kept.
+
+The real case of the tutorial's advice (section 10.1: distilled models for constrained
+hardware): all-MiniLM-L6-v2, the model the demo walks through, becomes a student with half
+its layers, initialised from the teacher's own layers (as DistilBERT initialises from every
+other layer of BERT; Sanh et al., 2019), and trained on sentences that exist offline (the
+docstrings of the Python standard library) to reproduce the teacher's embeddings:
+
+* the loss is the mean squared error between the student's and the teacher's normalised
+  mean-pooled embeddings (Reimers & Gurevych, 2020, "Making Monolingual Sentence
+  Embeddings Multilingual using Knowledge Distillation", use the same MSE on embeddings),
+  plus the token states of the last layer and MiniLM's attention-distribution transfer on
+  the last layer (Wang et al., 2020), weighted by ``attention_weight``;
+* quality is the Spearman correlation between the student's and the teacher's pairwise
+  cosine similarities on held-out sentences (from standard-library files never trained on);
+* speed is sentences per second of each, encoding the same held-out sentences.
+
+The student is saved as a folder that ``attnlab.from_hf``, transformers and
+sentence-transformers load as they load the teacher (config, safetensors, tokenizer files,
+``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json``).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import functools
+import json
+import logging
+import math
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.functional.distill import attention_kl, hidden_state_loss
+from attnlab.train.trainer import lr_multiplier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistillConfig", "DistillResult", "distill_sentence_encoder", "stdlib_sentences"]
+
+#: Share of the standard library's files whose sentences are held out (by path hash).
+HELD_OUT_PERCENT = 12
+
+#: Files of the sentence-transformers folder layout copied from the teacher unchanged.
+_ST_FILES = (
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "1_Pooling/config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+@dataclass
+class DistillConfig:
+    """What :func:`distill_sentence_encoder` does.
+
+    Attributes:
+        layers: teacher layers the student starts from, in order (default every other
+            layer ending at the last: ``(1, 3, 5)`` of 6).
+        steps: optimiser steps.
+        batch_size: sentences per step.
+        lr: AdamW learning rate (linear warm-up over the first 10 % of steps, then cosine).
+        attention_weight: weight of the attention-transfer term.
+        hidden_weight: weight of the last-layer token-state term.
+        max_length: tokens per sentence (longer ones are truncated).
+        train_sentences: sentences drawn from the training files.
+        eval_sentences: held-out sentences for Spearman and speed.
+        seed: seeds data order and initialisation.
+    """
+
+    layers: tuple[int, ...] = (1, 3, 5)
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 1e-4
+    attention_weight: float = 1.0
+    hidden_weight: float = 1.0
+    max_length: int = 128
+    train_sentences: int = 20000
+    eval_sentences: int = 500
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "max_length", "train_sentences", "eval_sentences"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DistillConfig.{name} must be a positive int, got {v!r}")
+        if not self.layers or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers
+        ):
+            raise ValueError(
+                f"DistillConfig.layers must be non-negative layer indices, got {self.layers!r}"
+            )
+        for name in ("lr", "attention_weight", "hidden_weight"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"DistillConfig.{name} must be a finite number >= 0, got {v!r}")
+        if self.lr <= 0:
+            raise ValueError(f"DistillConfig.lr must be > 0, got {self.lr!r}")
+
+
+@dataclass
+class DistillResult:
+    """Figures of one distillation run.
+
+    Attributes:
+        spearman: Spearman correlation of pairwise cosine similarities, student vs teacher,
+            on held-out sentences.
+        spearman_at_init: the same for the student before training.
+        teacher_sentences_per_s, student_sentences_per_s: encode speed on held-out sentences.
+        speedup: student over teacher.
+        teacher_layers, student_layers: depth of each.
+        steps: optimiser steps run.
+        final_loss: training loss of the last step.
+        seconds: wall time of the training loop.
+        out: the saved student folder (or None).
+    """
+
+    spearman: float
+    spearman_at_init: float
+    teacher_sentences_per_s: float
+    student_sentences_per_s: float
+    speedup: float
+    teacher_layers: int
+    student_layers: int
+    steps: int
+    final_loss: float
+    seconds: float
+    out: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def _docstring_sentences(source: str) -> Iterator[str]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node)
+            if not doc:
+                continue
+            for para in doc.split("\n\n"):
+                text = " ".join(para.split())
+                if 20 <= len(text) <= 400 and not text.startswith((">>>", "..")):
+                    yield text
+
+
+@functools.lru_cache(maxsize=2)
+def _all_stdlib_sentences(held_out: bool) -> tuple[str, ...]:
+    from attnlab.train.data import _bucket, stdlib_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    seen: set[str] = set()
+    out: list[str] = []
+    for p in stdlib_files():
+        if "test" in p.parts or "tests" in p.parts:
+            continue
+        if (_bucket(p, root) < HELD_OUT_PERCENT) != held_out:
+            continue
+        try:
+            src = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for s in _docstring_sentences(src):
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+    return tuple(out)
+
+
+def stdlib_sentences(*, held_out: bool, limit: int, seed: int = 0) -> list[str]:
+    """Docstring paragraphs from the Python standard library's source, deduplicated.
+
+    Files are split by the hash of their path that :mod:`attnlab.train.data` splits text
+    with (:data:`HELD_OUT_PERCENT` of them held out), so held-out sentences come from files
+    the training split never saw.
+
+    Args:
+        held_out: the held-out split (else the training split).
+        limit: at most this many sentences (a seeded sample when there are more).
+        seed: the sample's seed.
+    """
+    out = _all_stdlib_sentences(held_out)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(out), generator=g).tolist()
+    return [out[i] for i in order[:limit]]
+
+
+# ---------------------------------------------------------------------------- model pieces
+
+
+def _mean_pool(hidden: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean over tokens, ``[B, L, D] -> [B, D]`` (sentence-transformers' "mean")."""
+    m = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+
+
+def _embed(model: Any, batch: dict[str, Tensor], **kw: Any) -> tuple[Tensor, Any]:
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        token_type_ids=batch.get("token_type_ids"),
+        **kw,
+    )
+    emb = torch.nn.functional.normalize(
+        _mean_pool(out.last_hidden_state, batch["attention_mask"]), dim=-1
+    )
+    return emb, out
+
+
+def make_student(teacher: torch.nn.Module, layers: Sequence[int]) -> torch.nn.Module:
+    """A copy of ``teacher`` keeping only ``layers`` (embeddings and the rest copied)."""
+    n = len(teacher.layers)  # type: ignore[arg-type]
+    bad = [i for i in layers if i >= n]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist: the teacher has {n} layers (0..{n - 1})")
+    student = copy.deepcopy(teacher)
+    student.layers = torch.nn.ModuleList(copy.deepcopy(teacher.layers[i]) for i in layers)  # type: ignore[index, misc]
+    student.config = dataclasses.replace(teacher.config, num_hidden_layers=len(layers))  # type: ignore[type-var, arg-type]
+    return student
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman rank correlation of two 1-D tensors (average ranks for ties)."""
+
+    def rank(x: Tensor) -> Tensor:
+        x = x.double()
+        order = torch.argsort(x)
+        r = torch.empty_like(x)
+        r[order] = torch.arange(len(x), dtype=torch.float64)
+        # average the ranks of ties
+        uniq, inv = torch.unique(x, return_inverse=True)
+        if len(uniq) < len(x):
+            sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, r)
+            counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(
+                0, inv, torch.ones_like(r)
+            )
+            r = (sums / counts)[inv]
+        return r
+
+    ra, rb = rank(a), rank(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def _pairwise_cos(emb: Tensor) -> Tensor:
+    sim = emb @ emb.T
+    iu = torch.triu_indices(len(emb), len(emb), offset=1)
+    return sim[iu[0], iu[1]]
+
+
+@torch.no_grad()
+def _encode_all(
+    model: Any, tokenize: Callable[[list[str]], dict[str, Tensor]], sents: list[str], bs: int
+) -> tuple[Tensor, float]:
+    """Embeddings of ``sents`` and the seconds it took (length-sorted batches)."""
+    order = sorted(range(len(sents)), key=lambda i: len(sents[i]))
+    out = torch.empty(0)
+    parts: dict[int, Tensor] = {}
+    t0 = time.perf_counter()
+    for s in range(0, len(order), bs):
+        idx = order[s : s + bs]
+        emb, _ = _embed(model, tokenize([sents[i] for i in idx]))
+        for j, i in enumerate(idx):
+            parts[i] = emb[j]
+    seconds = time.perf_counter() - t0
+    out = torch.stack([parts[i] for i in range(len(sents))])
+    return out, seconds
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def distill_sentence_encoder(
+    teacher_dir: str | Path | None = None,
+    *,
+    config: DistillConfig | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> DistillResult:
+    """Distil a sentence-embedding BERT into ``len(config.layers)`` of its layers.
+
+    Args:
+        teacher_dir: a sentence-transformers model folder (default all-MiniLM-L6-v2 from
+            its PyPI package).
+        config: :class:`DistillConfig`.
+        out: save the student there (a folder ``from_hf``, transformers and
+            sentence-transformers load).
+        progress: show a progress bar with the loss.
+
+    Returns:
+        :class:`DistillResult`.
+    """
+    import attnlab
+    from attnlab.interop.hf import require_transformers
+
+    cfg = config or DistillConfig()
+    if teacher_dir is None:
+        from attnlab.interop.pretrained import minilm_path
+
+        teacher_dir = minilm_path()
+    teacher_dir = Path(teacher_dir)
+    tf = require_transformers()
+    tf.utils.logging.disable_progress_bar()
+    tokenizer = tf.AutoTokenizer.from_pretrained(teacher_dir)
+    max_len = cfg.max_length
+    st_cfg = teacher_dir / "sentence_bert_config.json"
+    if st_cfg.is_file():
+        max_len = min(max_len, int(json.loads(st_cfg.read_text())["max_seq_length"]))
+
+    def tokenize(texts: list[str]) -> dict[str, Tensor]:
+        enc = tokenizer(
+            texts, padding=True, truncation=True, max_length=max_len, return_tensors="pt"
+        )
+        return dict(enc)
+
+    torch.manual_seed(cfg.seed)
+    teacher = attnlab.from_hf(teacher_dir).eval()
+    student = make_student(teacher, cfg.layers).train()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+
+    train = stdlib_sentences(held_out=False, limit=cfg.train_sentences, seed=cfg.seed)
+    held = stdlib_sentences(held_out=True, limit=cfg.eval_sentences, seed=cfg.seed)
+    if len(train) < cfg.batch_size or len(held) < 10:
+        raise ValueError(
+            f"too few sentences found in the standard library ({len(train)} train, "
+            f"{len(held)} held out)"
+        )
+
+    teacher_emb, t_teacher = _encode_all(teacher, tokenize, held, cfg.batch_size)
+    target = _pairwise_cos(teacher_emb)
+    student.eval()
+    init_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
+    rho0 = spearman(_pairwise_cos(init_emb), target)
+    student.train()
+
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warm = max(1, cfg.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_multiplier(step, steps=cfg.steps, warmup=warm, min_ratio=0.0)
+    )
+    g = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, desc="distil", unit="step")
+        except ImportError:  # the `train` extra is not installed: no bar
+            bar = None
+    loss_val = float("nan")
+    t0 = time.perf_counter()
+    for _ in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            order += torch.randperm(len(train), generator=g).tolist()
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        batch = tokenize([train[i] for i in idx])
+        want_attn = cfg.attention_weight > 0
+        with torch.no_grad():
+            t_emb, t_out = _embed(teacher, batch, output_attentions=want_attn)
+        s_emb, s_out = _embed(student, batch, output_attentions=want_attn)
+        mask = batch["attention_mask"]
+        loss = (s_emb - t_emb).pow(2).sum(-1).mean()
+        if cfg.hidden_weight > 0:
+            loss = loss + cfg.hidden_weight * hidden_state_loss(
+                s_out.last_hidden_state, t_out.last_hidden_state, mask=mask
+            )
+        if want_attn:
+            loss = loss + cfg.attention_weight * attention_kl(
+                s_out.attentions[-1], t_out.attentions[-1], mask=mask
+            )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_val = float(loss.detach())
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_val:.4f}")
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    student.eval()
+
+    # speed: alternate teacher and student twice on the same batches, keep the best of each
+    s_emb, t_student = _encode_all(student, tokenize, held, cfg.batch_size)
+    _, t_teacher2 = _encode_all(teacher, tokenize, held, cfg.batch_size)
+    _, t_student2 = _encode_all(student, tokenize, held, cfg.batch_size)
+    t_teacher, t_student = min(t_teacher, t_teacher2), min(t_student, t_student2)
+    rho = spearman(_pairwise_cos(s_emb), target)
+
+    saved = None
+    if out is not None:
+        saved = str(save_student(student, teacher_dir, Path(out)))
+    return DistillResult(
+        spearman=rho,
+        spearman_at_init=rho0,
+        teacher_sentences_per_s=len(held) / t_teacher,
+        student_sentences_per_s=len(held) / t_student,
+        speedup=t_teacher / t_student,
+        teacher_layers=len(teacher.layers),  # type: ignore[arg-type]
+        student_layers=len(student.layers),  # type: ignore[arg-type]
+        steps=cfg.steps,
+        final_loss=loss_val,
+        seconds=seconds,
+        out=saved,
+    )
+
+
+def save_student(student: torch.nn.Module, teacher_dir: Path, out: Path) -> Path:
+    """Write ``student`` as a sentence-transformers folder beside the teacher's files."""
+    import attnlab
+
+    out.mkdir(parents=True, exist_ok=True)
+    hf = attnlab.to_hf(student)
+    hf.save_pretrained(out, safe_serialization=True)
+    for name in _ST_FILES:
+        src = teacher_dir / name
+        if src.is_file():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, out / name)
+    return out

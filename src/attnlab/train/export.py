@@ -1,0 +1,56 @@
+"""The trained model as a folder that ``attnlab generate`` and ``attnlab.from_hf`` load.
+
+A model transformers has an equivalent for is saved as a transformers folder
+(``config.json`` + ``model.safetensors``), with the run's tokenizer (``tokenizer.json``);
+any other model is saved as ``model.safetensors`` + ``attnlab_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["export_model"]
+
+log = logging.getLogger(__name__)
+
+
+def export_model(model: nn.Module, folder: Path, *, tokenizer: Any = None) -> Path:
+    """Write ``model`` (and ``tokenizer``, if any) to ``folder``; return the folder."""
+    from attnlab.interop.hf import to_hf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    was_training = model.training
+    try:
+        hf = to_hf(model)
+    except (ValueError, ImportError) as e:
+        import safetensors.torch
+
+        log.info("saving in attnlab's own format (%s)", e)
+        safetensors.torch.save_model(model, str(folder / "model.safetensors"))
+        config = getattr(model, "config", None)
+        info = {
+            "model_class": f"{type(model).__module__}:{type(model).__name__}",
+            "config_class": f"{type(config).__module__}:{type(config).__name__}",
+            "config": config.to_dict() if config is not None else {},
+        }
+        (folder / "attnlab_config.json").write_text(json.dumps(info, indent=2) + "\n")
+    else:
+        from transformers.utils import logging as hf_logging
+
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no bar for one small file
+        try:
+            hf.save_pretrained(str(folder))  # type: ignore[operator]
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
+    finally:
+        model.train(was_training)
+    if tokenizer is not None:
+        tokenizer.save(folder)
+    return folder

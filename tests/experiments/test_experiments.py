@@ -1,0 +1,115 @@
+"""The experiments: their pieces against independent computations, and each pipeline end
+to end in a few steps (smoke runs assert the files, not the science)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attnlab.experiments import EXPERIMENTS, run_experiment
+from attnlab.experiments.gqa import mean_pool_kv
+from attnlab.experiments.induction import RepeatedTokens, prefix_matching_scores
+from attnlab.experiments.recall import MQAR
+from attnlab.models import DecoderConfig, DecoderLM
+
+
+def _strict(text: str) -> dict:
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-finite {c} in JSON"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_smoke_run_writes_table_json_and_plot(name: str, tmp_path: Path) -> None:
+    r = run_experiment(name, smoke=True, out=tmp_path, progress=False)
+    data = _strict((tmp_path / "results.json").read_text())
+    assert data["name"] == name and data["rows"] and data["published"] and data["paper"]
+    md = (tmp_path / "results.md").read_text()
+    assert "| " + " | ".join(r.columns) + " |" in md and "Published:" in md
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_mean_pool_kv_identity_and_means() -> None:
+    torch.manual_seed(0)
+    cfg = DecoderConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
+    mha = DecoderLM(cfg).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    same = mean_pool_kv(mha, 4).eval()
+    torch.testing.assert_close(same(input_ids=ids).logits, mha(input_ids=ids).logits)
+    mqa = mean_pool_kv(mha, 1)
+    w = mha.layers[0].self_attention.k_proj.weight  # [4 * 8, 32]
+    torch.testing.assert_close(
+        mqa.layers[0].self_attention.k_proj.weight, w.reshape(4, 8, 32).mean(0)
+    )
+    assert mqa.config.num_key_value_heads == 1
+    with pytest.raises(ValueError, match="groups"):
+        mean_pool_kv(mha, 3)
+
+
+def test_mqar_answers_are_the_stored_values() -> None:
+    data = MQAR(keys=16, pairs=5, seed=1)
+    ids, labels = data.draw(8, 0)
+    assert ids.shape == (8, 20)
+    for row, lab in zip(ids, labels):
+        store = {int(row[2 * i]): int(row[2 * i + 1]) for i in range(5)}
+        assert len(store) == 5  # distinct keys
+        answers = [(int(row[t - 1]), int(lab[t])) for t in range(len(lab)) if lab[t] != -100]
+        assert len(answers) == 5 and all(store[k] == v for k, v in answers)
+    with pytest.raises(ValueError, match="pairs"):
+        MQAR(keys=4, pairs=5, seed=0)
+
+
+def test_prefix_matching_finds_a_perfect_induction_head() -> None:
+    half = 6
+    ids = RepeatedTokens(vocab_size=10, half=half, seed=0)._draw(3, 0)
+    assert torch.equal(ids[:, :half], ids[:, half:])
+    n = 2 * half
+    perfect = torch.zeros(3, 2, n, n)
+    perfect[..., 0] = 1.0  # head 0 attends to the first token
+    for q in range(half, n - 1):
+        perfect[:, 1, q, :] = 0.0
+        perfect[:, 1, q, q - half + 1] = 1.0  # head 1: the token after the earlier copy
+    uniform = torch.full((3, 2, n, n), 1.0 / n)
+
+    class Fake:
+        def eval(self) -> Fake:
+            return self
+
+        def __call__(self, **_: object) -> SimpleNamespace:
+            return SimpleNamespace(attentions=(uniform, perfect))
+
+    scores = prefix_matching_scores(Fake(), ids)  # type: ignore[arg-type]
+    assert scores.shape == (2, 2)
+    assert scores[1, 1] == pytest.approx(1.0) and scores[0, 0] == pytest.approx(1.0 / n)
+
+
+def test_cli_experiment_rejects_unknown_names_and_bad_out(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "attnlab.cli", "experiment", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "nope" in bad.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "attnlab.cli", "experiment", "gqa", "--out", str(blocker / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "--out" in out.stderr
