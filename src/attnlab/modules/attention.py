@@ -241,12 +241,16 @@ class MultiHeadAttention(nn.Module):
             cache.store(k, v)
         elif cache is not None:
             name = self.backend if backend is None else backend
-            if call is not None and call.block_size and name != "auto":
-                if _get_backend(name).reads_blocks:  # the pools and block tables, no gather
-                    k, v, table = cache.update_blocks(k, v, start=cache_start)  # type: ignore[attr-defined]
-                    return self._attend(
-                        q, k, v, mask, is_causal, need_weights, q_positions, None, call, name, table
-                    )
+            if (
+                call is not None
+                and call.block_size
+                and name != "auto"
+                and _get_backend(name).reads_blocks
+            ):  # a paged cache's pools and block tables, no gather
+                k, v, table = cache.update_blocks(k, v, start=cache_start)  # type: ignore[attr-defined]
+                return self._attend(
+                    q, k, v, mask, is_causal, need_weights, q_positions, None, call, name, table
+                )
             k, v = cache.update(k, v, start=cache_start)  # [b, H_kv, S_all, h_d]
         return self._attend(
             q, k, v, mask, is_causal, need_weights, q_positions, k_positions, call, backend

@@ -73,7 +73,7 @@ class PagedKVCache(KVCache):
 
     def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
         step = self._write(key, value, start)
-        b, h, n, d = key.shape
+        b, h, _, d = key.shape
         kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
         t = step.total
         keys = kp.index_select(0, step.gather).view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
