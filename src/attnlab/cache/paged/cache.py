@@ -87,6 +87,7 @@ class PagedKVCache(KVCache):
         (``[N * bs, H_kv, h_d]``) and the step's block tables instead of gathering: the
         input of a backend that reads blocks (:mod:`attnlab.backends.paged`)."""
         step = self._write(key, value, start)
+        assert step.blocks is not None  # every step the pool lays out has its tables
         return self.pool.keys[self.layer], self.pool.values[self.layer], step.blocks
 
     def _write(self, key: Tensor, value: Tensor, start: Start) -> StepBatch:

@@ -418,7 +418,7 @@ class PagedKVPool:
         uniform = min(totals) == t
         mask = None if uniform else valid.long()
         input_ids = torch.tensor(rows_ids, dtype=torch.long)
-        blocks = BlockTable(
+        block_table = BlockTable(
             table=table.to(dev),
             block_size=bs,
             lengths=tuple(totals),
@@ -435,7 +435,7 @@ class PagedKVPool:
             dst=torch.tensor(dst, dtype=torch.long, device=dev),
             gather=phys.reshape(-1).to(dev),
             all_new=len(src) == b * width,
-            blocks=blocks,
+            blocks=block_table,
         )
 
     def end_step(self) -> None:
