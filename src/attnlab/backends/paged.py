@@ -4,21 +4,24 @@ A paged KV cache keeps every sequence's keys/values in fixed-size blocks of one 
 per layer, in whatever order the allocator handed the blocks out; a *block table*
 lists a sequence's blocks in order (PagedAttention, Kwon et al., 2023, "Efficient
 memory management for large language model serving with PagedAttention", section 4.1).
-The cache's reference path gathers every row's keys through its table into a
-left-padded ``[B, H_kv, T, h_d]`` batch (``T`` the longest row) and lets any backend
-attend over it with a padding pattern. This backend instead takes the pool and the
-table and reads, for each group of rows of equal length, only the blocks those rows
-hold: no padding slots, no blocks freed behind a sliding window, and no dense mask
-when the pattern lets the rows see every stored key (a decode step), so torch's fused
-kernel runs unmasked. Rows of different lengths are separate kernel calls: the price
-is one call per group, which the cost model weighs (:data:`attnlab.backend_traits.PAGED_COST`).
+The cache's reference path gathers every row's keys through its table slot by slot
+into a left-padded ``[B, H_kv, T, h_d]`` batch (``T`` the longest row) and lets any
+backend attend over it with the step's padding pattern. This backend takes the pool
+and the tables instead and copies whole blocks (``bs`` tokens, one contiguous run
+each), only from the first block any row still holds (blocks freed behind a sliding
+window are not read) to the last one any row fills; when every row sees every key it
+read (a decode step of equal-length rows) no mask is built and torch's fused kernel
+runs unmasked. One kernel call for the whole batch. What it cannot avoid, written in
+PyTorch on a CPU, is the copy itself: no PyTorch kernel multiplies through an index
+table in place (the cost model, :data:`attnlab.backend_traits.PAGED_COST`, says when
+the difference pays).
 
 Exact: it computes the same softmax over the same keys as the gather path (up to
 floating-point rounding), with the pattern and its score modifiers evaluated on the
 keys' slots in the step's layout.
 
 Shape notation: ``B`` rows, ``H`` query heads, ``H_kv`` key/value heads, ``L`` query
-positions of the step, ``T`` virtual slots of the step, ``n`` a row's stored tokens,
+positions of the step, ``T`` virtual slots of the step, ``S'`` keys read per row,
 ``N`` blocks in the pool, ``bs`` block size, ``E``/``Ev`` key/value head dims.
 """
 
@@ -64,15 +67,8 @@ class BlockTable:
     offsets: tuple[int, ...]
     first_block: tuple[int, ...]
 
-    def groups(self) -> list[list[int]]:
-        """Rows that can share one kernel call: equal ``(lengths, offsets, first_block)``."""
-        by_key: dict[tuple[int, int, int], list[int]] = {}
-        for r, key in enumerate(zip(self.lengths, self.offsets, self.first_block)):
-            by_key.setdefault(key, []).append(r)
-        return list(by_key.values())
 
-
-def _row_attention(
+def _attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -84,19 +80,19 @@ def _row_attention(
     scale: float | None,
     enable_gqa: bool,
 ) -> Tensor:
-    """One group's attention: ``q [G, H, L, E]`` over ``k [G, H_kv, n, E]``."""
+    """``q [B, H, L, E]`` over ``k [B, H_kv, S', E]`` with a bool mask (or None)."""
     if not mods:
         out, _ = sdpa_torch(q, k, v, allowed, 0.0, False, scale, enable_gqa, check_finite=False)
         return out
     # score modifiers (ALiBi, soft-capping): the reference's math on this group's keys
     rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [G, H, n, E]
+    k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, H, S', E]
     s = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
     dt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * s  # [G, H, L, n]
+    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * s  # [B, H, L, S']
     h = torch.arange(q.shape[1], device=q.device).view(-1, 1, 1)
-    qi = q_pos.view(-1, 1, q_pos.shape[-1], 1)  # [G|1, 1, L, 1]
-    ki = k_pos.view(-1, 1, 1, k_pos.shape[-1])  # [G|1, 1, 1, n]
+    qi = q_pos.view(-1, 1, q_pos.shape[-1], 1)  # [B|1, 1, L, 1]
+    ki = k_pos.view(-1, 1, 1, k_pos.shape[-1])  # [B, 1, 1, S']
     scores, _ = apply_score_mods(mods, scores, rows.view(-1, 1, 1, 1), h, qi, ki)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -158,46 +154,40 @@ def paged_attention(
         pattern = causal() if pattern is None else pattern & causal()
     mods = pattern.score_mods if pattern is not None else ()
     bare = pattern._unscored() if pattern is not None else None
-    b, h, L, _ = query.shape
+    b, _, L, _ = query.shape
     bs = block_table.block_size
-    h_kv = key.shape[1]
-    k_blocks = key.view(-1, bs, h_kv, key.shape[-1])  # [N, bs, H_kv, E]
-    v_blocks = value.view(-1, bs, h_kv, value.shape[-1])  # [N, bs, H_kv, Ev]
+    h_kv, e, ev = key.shape[1], key.shape[-1], value.shape[-1]
     dev = query.device
-    total = block_table.offsets[0] + block_table.lengths[0]  # T, the same for every row
+    lengths, offsets, first = block_table.lengths, block_table.offsets, block_table.first_block
+    total = offsets[0] + lengths[0]  # T, the same for every row
     if q_positions is None:
         q_positions = torch.arange(total - L, total, device=dev)[None]
-    out = query.new_zeros(b, h, L, value.shape[-1])
+    fb = min(first)  # the first block any row still holds
+    nb = max(-(-n // bs) for n in lengths)  # the last block any row holds
+    if nb <= fb:
+        return query.new_zeros(b, query.shape[1], L, ev), None
+    ids = block_table.table[:, fb:nb].reshape(-1)  # [B * nb']
+    s_len = (nb - fb) * bs
+    # whole blocks, one contiguous copy each: [B, nb' * bs, H_kv, E]
+    k = key.view(-1, bs, h_kv, e).index_select(0, ids).view(b, s_len, h_kv, e).transpose(1, 2)
+    v = value.view(-1, bs, h_kv, ev).index_select(0, ids).view(b, s_len, h_kv, ev).transpose(1, 2)
+    # slot of each key in the step's layout; -1 past a row's tokens or in its freed blocks
+    j = torch.arange(fb * bs, nb * bs, device=dev)[None]  # [1, S'] token index in the row
+    t = torch.tensor([list(x) for x in zip(lengths, offsets, first)], device=dev)  # [B, 3]
+    live = (j < t[:, :1]) & (j >= t[:, 2:] * bs)
+    k_pos = torch.where(live, j + t[:, 1:2], -1)  # [B, S']
+    rows = torch.arange(b, device=dev)
     zero = torch.zeros((), dtype=torch.long, device=dev)
-    for rows in block_table.groups():
-        r0 = rows[0]
-        n, off, fb = block_table.lengths[r0], block_table.offsets[r0], block_table.first_block[r0]
-        if n == 0:
-            continue
-        skip = fb * bs  # tokens of the freed leading blocks
-        nb = -(-n // bs)
-        idx = torch.tensor(rows, device=dev)
-        ids = block_table.table.index_select(0, idx)[:, fb:nb]  # [G, nb']
-        g = len(rows)
-        k = k_blocks[ids].view(g, -1, h_kv, key.shape[-1])[:, : n - skip]  # [G, n', H_kv, E]
-        v = v_blocks[ids].view(g, -1, h_kv, value.shape[-1])[:, : n - skip]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, H_kv, n', E]
-        k_pos = torch.arange(off + skip, off + n, device=dev)[None]  # [1, n']
-        q_pos = q_positions if q_positions.shape[0] == 1 else q_positions.index_select(0, idx)
-        allowed: Tensor | None = None
-        if bare is not None:
-            row_ids = idx.view(-1, 1, 1, 1) if bare.batch_dependent else zero
-            qi = q_pos.view(-1, 1, L, 1)  # [G|1, 1, L, 1]
-            ki = k_pos.view(1, 1, 1, -1)  # [1, 1, 1, n']
-            allowed = bare.mask_mod(row_ids, zero, qi, ki).expand(g, 1, L, k_pos.shape[-1])
-            if bool(allowed.all()):
-                allowed = None  # every stored key is seen (a decode step): unmasked kernel
-        q = query.index_select(0, idx) if g < b else query
-        res = _row_attention(q, k, v, allowed, mods, idx, q_pos, k_pos, scale, enable_gqa)
-        if g == b:
-            out = res
-        else:
-            out.index_copy_(0, idx, res)
+    allowed: Tensor | None = live.view(b, 1, 1, s_len)
+    if bare is not None:
+        row_ids = rows.view(-1, 1, 1, 1) if bare.batch_dependent else zero
+        qi = q_positions.view(-1, 1, L, 1)  # [B|1, 1, L, 1]
+        ki = k_pos.view(b, 1, 1, s_len)
+        allowed = bare.mask_mod(row_ids, zero, qi, ki) & live.view(b, 1, 1, s_len)
+    assert allowed is not None
+    if bool(allowed.all()):
+        allowed = None  # every row sees every key read (a uniform decode step): no mask
+    out = _attention(query, k, v, allowed, mods, rows, q_positions, k_pos, scale, enable_gqa)
     return out, None
 
 
