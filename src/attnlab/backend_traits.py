@@ -171,14 +171,16 @@ class PagedCost:
     Attributes:
         gather_overhead_s: fixed cost of one gather of a step's keys/values from the pool.
         gather_bytes_per_s: bytes per second an ``index_select`` of pool slots copies.
-        group_overhead_s: fixed cost of one group (rows of equal length) in the ``paged``
-            backend: its table slice, its gather and its kernel call.
+        call_overhead_s: fixed cost of the ``paged`` backend's own work per call (the
+            keys' slots and the mask from the block table, host side).
     """
 
     gather_overhead_s: float
     gather_bytes_per_s: float
-    group_overhead_s: float
+    call_overhead_s: float
 
 
-#: Measured with ``python benchmarks/paged_attention.py --calibrate`` (docs/benchmarks.md).
-PAGED_COST = PagedCost(gather_overhead_s=3e-5, gather_bytes_per_s=4e9, group_overhead_s=1.5e-4)
+#: From ``python benchmarks/paged_attention.py`` (docs/benchmarks.md): an ``index_select``
+#: of pool slots copied 16 MiB in about 4 ms on one thread of the quiet machine (a ``sum``
+#: read 5.5 GB/s under load), and the ``paged`` backend's own host work is about 0.2 ms.
+PAGED_COST = PagedCost(gather_overhead_s=3e-5, gather_bytes_per_s=4e9, call_overhead_s=2e-4)

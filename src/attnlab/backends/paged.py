@@ -84,7 +84,7 @@ def _attention(
     if not mods:
         out, _ = sdpa_torch(q, k, v, allowed, 0.0, False, scale, enable_gqa, check_finite=False)
         return out
-    # score modifiers (ALiBi, soft-capping): the reference's math on this group's keys
+    # score modifiers (ALiBi, soft-capping): the reference's math on the keys read
     rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, H, S', E]
     s = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
@@ -210,13 +210,10 @@ def _cost(call: AttentionCall) -> Estimate | None:
     attend = estimate("sdpa_flash", call, L * S)
     if attend is None:
         return None
-    # one group per row in the worst case (mixed lengths); a uniform batch is one group
-    groups = call.query_shape[0]
-    seconds = PAGED_COST.group_overhead_s * groups + gather_seconds(call) + attend.seconds
-    note = (
-        f"~{format_seconds(seconds)}: reads each row's own blocks (no padding, no dense mask), "
-        f"up to {groups} kernel call(s)"
-    )
+    # the same bytes copied as the gather path (whole blocks instead of slots), then
+    # torch's kernel, unmasked when every row sees every key it read (a decode step)
+    seconds = PAGED_COST.call_overhead_s + gather_seconds(call) + attend.seconds
+    note = f"~{format_seconds(seconds)}: copies each row's blocks through its table, one call"
     return Estimate(seconds, note)
 
 
