@@ -113,7 +113,13 @@ def _cell(b: int, lengths: list[int], rounds: int, bw: float) -> dict:
     def gather() -> torch.Tensor:
         k, v = cache.update(k_new, v_new, start=start)
         return dispatch_trusted(
-            s["call"], q, k, v, backend=gather_backend, q_positions=s["q_pos"], k_positions=s["k_pos"]
+            s["call"],
+            q,
+            k,
+            v,
+            backend=gather_backend,
+            q_positions=s["q_pos"],
+            k_positions=s["k_pos"],
         )[0]
 
     def paged() -> torch.Tensor:
@@ -156,7 +162,9 @@ def main() -> None:
     for b in args.batches:
         for c in args.contexts:
             for kind in ("uniform", "mixed"):
-                lengths = [c] * b if kind == "uniform" else [rng.randint(c // 2, c) for _ in range(b)]
+                lengths = (
+                    [c] * b if kind == "uniform" else [rng.randint(c // 2, c) for _ in range(b)]
+                )
                 r = _cell(b, lengths, args.rounds, bw)
                 line = (
                     f"| {b} | {c} | {kind} | {r['mib']:.0f} | {r['gather'] * 1e3:.2f} "

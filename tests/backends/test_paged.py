@@ -18,7 +18,7 @@ from attnlab.functional.masks import causal, padding, sliding_window
 from attnlab.functional.score_mods import alibi
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache"))
-from test_paged_cache import FAMILIES, _model, _run_mix  # noqa: E402
+from test_paged_cache import FAMILIES, _model, _run_mix
 
 
 def _pool_with(lengths: list[int], bs: int = 4) -> tuple[PagedKVPool, BlockTable]:
@@ -66,7 +66,13 @@ def test_paged_attention_equals_the_reference_on_gathered_keys(
         q, k, v, pattern, enable_gqa=True, backend="reference", q_positions=q_pos, k_positions=k_pos
     )
     got, _ = paged_attention(
-        q, pool.keys[0], pool.values[0], pattern, enable_gqa=True, q_positions=q_pos, block_table=table
+        q,
+        pool.keys[0],
+        pool.values[0],
+        pattern,
+        enable_gqa=True,
+        q_positions=q_pos,
+        block_table=table,
     )
     torch.testing.assert_close(got, want)
 
