@@ -78,7 +78,13 @@ class BackendTraits:
     def registry_fields(self) -> dict[str, Any]:
         """The fields :class:`~attnlab.backends.registry.Backend` takes from this record."""
         d = asdict(self)
-        keys = ("name", "exact", "accepts_patterns", "accepts_positions", "priority")
+        keys: tuple[str, ...] = (
+            "name",
+            "exact",
+            "accepts_patterns",
+            "accepts_positions",
+            "priority",
+        )
         if self.reads_blocks:
             keys += ("reads_blocks",)
         return {k: d[k] for k in keys} | {"description": self.description}
