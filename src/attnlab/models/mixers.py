@@ -5,9 +5,10 @@ mapping, so a new kind (Mamba, Mamba-2, RWKV, retention) is added by registering
 here, without a branch in the decoder. A mixer module is called like
 :class:`~attnlab.modules.attention.MultiHeadAttention` inside
 :class:`~attnlab.modules.decoder_layer.DecoderLayer` (``mixer(h, attn_mask=...,
-is_causal=..., positions=..., key_positions=..., cache=..., cache_start=...,
-need_weights=...)``) and returns ``(output [B, L, D], weights or None)``; mixers that
-are not attention ignore the attention-only keywords.
+is_causal=..., positions=..., q_positions=..., k_positions=..., cache=...,
+cache_start=..., call=..., backend=..., need_weights=...)``) and returns ``(output
+[B, L, D], weights or None)``; mixers that are not attention ignore the attention-only
+keywords.
 """
 
 from __future__ import annotations
@@ -45,13 +46,11 @@ class MixerParts:
     Attributes:
         layer_index: the layer's index in the stack.
         rotary: the shared rotary embedding, or None.
-        score_bias: the shared score bias (ALiBi), or None.
         backend: the attention backend name.
     """
 
     layer_index: int
     rotary: nn.Module | None = None
-    score_bias: nn.Module | None = None
     backend: str = "auto"
 
 
@@ -114,7 +113,6 @@ def _attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
         dropout=config.attention_dropout,
         backend=parts.backend,
         rotary=parts.rotary,
-        score_bias=parts.score_bias,
         q_norm=q_norm,
         k_norm=k_norm,
     )
