@@ -87,7 +87,7 @@ def test_compiled_flex_equals_reference(
     with caplog.at_level(logging.WARNING, logger="attnlab.backends.flex"):
         scaled_dot_product_attention(q, k, v, pattern, enable_gqa=True, backend="flex")
     assert not caplog.records
-    assert flex_mod._compiled_keys
+    assert flex_mod._kernels
     _, w = scaled_dot_product_attention(
         q, k, v, pattern, enable_gqa=True, backend="flex", return_weights=True
     )

@@ -169,6 +169,11 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def forget_choices() -> None:
+    """Forget every memoized choice (a backend's ability to run calls has changed)."""
+    _MEMO.clear()
+
+
 def bucket(n: int) -> int:
     """A length's memo bucket: exact up to 16, then the next power of two.
 
