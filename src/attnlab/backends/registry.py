@@ -268,6 +268,18 @@ def current() -> str:
     return _FORCED.get() or "auto"
 
 
+def choose(call: AttentionCall, backend: str = "auto") -> Explanation:
+    """The backend that runs ``call`` and why, from a description alone (no tensors needed).
+
+    What ``auto`` decides for a real call, for tools that describe attention by its
+    shapes (the cost model, the advisor). Not memoized.
+
+    Raises:
+        ValueError: a named (or :func:`use`-set) backend that cannot run the call.
+    """
+    return _choose(call, backend)
+
+
 def _choose(call: AttentionCall, backend: str) -> Explanation:
     requested = backend if backend != "auto" else (_FORCED.get() or "auto")
     if requested != "auto":

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from attnlab.counting import INT64_MAX
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_binary_mask, check_tensor
 
 __all__ = ["causal_mask", "combine", "lengths_mask", "padding_mask"]
 
@@ -73,20 +73,7 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
         TypeError: not a tensor.
         ValueError: not 2-D, or values other than 0 and 1.
     """
-    check_tensor("attention_mask", attention_mask)
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must be (batch, seq_len) of 1/0, got shape "
-            f"{tuple(attention_mask.shape)}"
-        )
-    if attention_mask.dtype != torch.bool:
-        bad = (attention_mask != 0) & (attention_mask != 1)
-        if bool(bad.any()):
-            values = torch.unique(attention_mask[bad])[:5].tolist()
-            raise ValueError(
-                f"attention_mask must hold only 1 (token) and 0 (padding), found {values}; "
-                "an additive float mask goes to attn_mask instead"
-            )
+    check_binary_mask("attention_mask", attention_mask)
     return attention_mask.bool()[:, None, None, :]
 
 
