@@ -123,7 +123,9 @@ def test_refuses_rather_than_running_unfused(monkeypatch: pytest.MonkeyPatch) ->
     why = explain(x, x, x, new_family).reasons["flex"]
     assert "limit" in why and "every sequence length" in why
     assert explain(x, x, x, new_family).chosen != "flex"
-    with pytest.raises(ValueError, match="backend 'flex' .* cannot run this call: already compiled"):
+    with pytest.raises(
+        ValueError, match="backend 'flex' .* cannot run this call: already compiled"
+    ):
         scaled_dot_product_attention(x, x, x, new_family, backend="flex")
     with pytest.raises(RuntimeError, match="cannot get a fused FlexAttention kernel"):
         flex_mod.flex_attention(x, x, x, new_family)

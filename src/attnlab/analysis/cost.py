@@ -51,7 +51,6 @@ from attnlab.analysis.cost_layers import (
     layer_saved,
     parameter_count,
     register_backend_traits,
-    tile_pairs,
     traits_of,
     window_density,
 )
