@@ -128,10 +128,7 @@ class DataConfig(_Section):
             check_positive_int(f"data.{name}", getattr(self, name))
         for name in ("max_train_bytes", "max_eval_bytes"):
             _non_negative_int(f"data.{name}", getattr(self, name))
-        if not isinstance(self.heldout_percent, int) or not 0 < self.heldout_percent < 100:
-            raise ValueError(
-                f"data.heldout_percent must be an int in (0, 100), got {self.heldout_percent!r}"
-            )
+        check_int("data.heldout_percent", self.heldout_percent, min_value=1, max_value=99)
         check_probability("data.mlm_probability", self.mlm_probability)
         if self.source == "files" and not self.paths:
             raise ValueError("data.source = 'files' needs data.paths (files or folders)")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnlab.functional._checks import check_positive_int, check_real
+from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.distill import attention_kl, hidden_state_loss
 from attnlab.train.trainer import lr_multiplier
 
@@ -95,12 +95,10 @@ class DistillConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_length", "train_sentences", "eval_sentences"):
             check_positive_int(f"DistillConfig.{name}", getattr(self, name))
-        if not self.layers or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers
-        ):
-            raise ValueError(
-                f"DistillConfig.layers must be non-negative layer indices, got {self.layers!r}"
-            )
+        if not self.layers:
+            raise ValueError("DistillConfig.layers must name at least one teacher layer, got ()")
+        for i in self.layers:
+            check_int("DistillConfig.layers[i]", i, min_value=0)
         check_real("DistillConfig.lr", self.lr, gt=0.0)
         for name in ("attention_weight", "hidden_weight"):
             check_real(f"DistillConfig.{name}", getattr(self, name), ge=0.0)
