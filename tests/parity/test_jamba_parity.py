@@ -97,3 +97,11 @@ def test_to_hf_rejects_a_layout_without_a_period() -> None:
     bad = DecoderLM(replace(ours.config, layers=tuple(specs)))
     with pytest.raises(ValueError, match="no such period"):
         attnlab.to_hf(bad)
+
+
+def test_greedy_generation_matches_transformers(hf_jamba: torch.nn.Module) -> None:
+    ours = attnlab.from_hf(hf_jamba)
+    ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_jamba.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(ours.generate(ids, max_new_tokens=32), theirs)
