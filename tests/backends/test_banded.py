@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnlab.backends.sparse as sparse
-from attnlab.backends.banded import band_pairs, band_plan
+from attnlab.backends.banded import BAND_BLOCKS, band_pairs, band_plan, choose_band
 from attnlab.backends.registry import explain
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
@@ -49,9 +49,28 @@ def test_extra_keys_are_the_global_tokens_not_their_blocks() -> None:
     n = 1024
     glob = torch.zeros(1, n, dtype=torch.bool)
     glob[0, [0, 500, 1000]] = True
-    pairs = band_pairs(longformer_pattern(128, glob, None), n, n, 64)
+    pairs = band_pairs(longformer_pattern(128, glob, None), n, n, (64,))
     # 5 key blocks of 64 per query block, plus the three global keys one by one.
     assert pairs == n * (5 * 64 + 3)
+
+
+def test_the_block_with_the_cheapest_band_is_chosen() -> None:
+    n = 2048
+    pattern = M.sliding_window(300, 300)
+
+    def block_mask(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return pattern.block_mask(n, n, b, b)
+
+    chosen = choose_band(block_mask, (64, 128, 256))
+    assert chosen is not None
+    block, _, full = chosen
+    costs = {}
+    for b in (64, 128, 256):
+        p = band_plan(block_mask(b)[0])
+        assert p is not None
+        costs[b] = len(p.offsets) * b * BAND_BLOCKS[b]  # per query, no columns
+    assert block == min(costs, key=costs.__getitem__)
+    assert full.shape == (n // block, n // block)
 
 
 @pytest.mark.parametrize("score_mod", [False, True])
@@ -82,7 +101,7 @@ def test_banded_and_gather_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (torch.randn(2, 4, 640, 32, generator=g) for _ in range(3))
     with torch.inference_mode():
         banded = scaled_dot_product_attention(q, k, v, pattern, backend="sparse")
-        monkeypatch.setattr(sparse, "band_plan", lambda needed: None)
+        monkeypatch.setattr(sparse, "choose_band", lambda block_mask, blocks: None)
         gathered = scaled_dot_product_attention(q, k, v, pattern, backend="sparse")
     torch.testing.assert_close(banded, gathered, atol=2e-6, rtol=1e-5)
 

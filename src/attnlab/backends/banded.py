@@ -34,6 +34,7 @@ offsets in the band, ``X`` extra keys, ``g`` query blocks in a group, ``P`` 1 or
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,27 @@ from attnlab.backends.blocks import MaskSpec
 from attnlab.functional.masks import MaskPattern
 from attnlab.functional.score_mods import apply_score_mods
 
-__all__ = ["MAX_WASTE", "BandPlan", "band_pairs", "band_plan", "banded_core"]
+__all__ = [
+    "BAND_BLOCKS",
+    "MAX_WASTE",
+    "BandPlan",
+    "band_pairs",
+    "band_plan",
+    "banded_core",
+    "choose_band",
+]
 
 #: The band may compute at most this many times the tiles the block mask needs.
 MAX_WASTE = 1.25
+#: Block sizes the banded path tries, with the relative time per computed pair of the
+#: whole banded kernel at that block (Longformer's pattern, 4096 tokens, 12 heads, head dim
+#: 64, one thread, process time, this project's CPU: 64 blocks 385-410 ms for 576 keys per
+#: query, 128 blocks 417-456 ms for 640, 256 blocks 574-628 ms for 768). The batched
+#: products alone run faster at larger blocks (363, 204 and 160 ms for the same 31M pairs),
+#: but the softmax's element-wise passes grow with the pairs outside the band, so only a
+#: wide band gains from larger blocks. The plan with the lowest ``pairs x relative time``
+#: runs.
+BAND_BLOCKS: dict[int, float] = {64: 1.0, 128: 0.99, 256: 1.13}
 
 
 @dataclass(frozen=True)
@@ -98,12 +116,36 @@ def band_plan(needed: Tensor) -> BandPlan | None:
     return BandPlan(offsets, columns, tiles, total)
 
 
-def band_pairs(pattern: MaskPattern, L: int, S: int, block: int) -> float | None:
+def choose_band(
+    block_mask: Callable[[int], tuple[Tensor, Tensor]], blocks: Sequence[int]
+) -> tuple[int, BandPlan, Tensor] | None:
+    """The cheapest band plan over ``blocks``: ``(block, plan, full tiles [nq, nk])``, or None.
+
+    Args:
+        block_mask: ``block -> (needed, full)``, the pattern's block mask at that block.
+        blocks: the block sizes to try.
+    """
+    best: tuple[float, int, BandPlan, Tensor] | None = None
+    for b in blocks:
+        needed, full = block_mask(b)
+        plan = band_plan(needed)
+        if plan is None:
+            continue
+        nq = needed.shape[0]
+        # The band's tiles whole, at the block's speed; about one extra key per column.
+        cost = nq * b * (len(plan.offsets) * b * BAND_BLOCKS.get(b, 1.0) + len(plan.columns))
+        if best is None or cost < best[0]:
+            best = (cost, b, plan, full)
+    return None if best is None else best[1:]
+
+
+def band_pairs(pattern: MaskPattern, L: int, S: int, blocks: Sequence[int]) -> float | None:
     """Pairs per head the banded path computes for ``pattern`` at default positions, or None.
 
-    ``L * (|D| * b + X)``: the band's tiles whole and the extra keys one by one, or None
-    when :func:`band_plan` refuses the pattern (the gather path then runs). For the cost
-    model; the kernel itself plans on the call's own positions.
+    ``L * (|D| * b + X)`` for the block :func:`choose_band` picks (the band's tiles whole,
+    the extra keys one by one), weighted by that block's relative time per pair
+    (:data:`BAND_BLOCKS`, 1 at 64), or None when no plan pays (the gather path then runs).
+    For the cost model; the kernel itself plans on the call's own positions.
     """
     if L == 0 or S == 0:
         return None
@@ -112,15 +154,23 @@ def band_pairs(pattern: MaskPattern, L: int, S: int, block: int) -> float | None
         left, right = band
         if 2 * (left + right + 1) > max(L, S):  # (nearly) the whole matrix: no band pays
             return None
-        return float(pattern.tile_pairs(L, S, block, block))
-    needed, _ = pattern.block_mask(L, S, block, block)  # [nq, nk]
-    plan = band_plan(needed)
-    if plan is None:
+        return (
+            min(
+                pattern.tile_pairs(L, S, b, b) * BAND_BLOCKS.get(b, 1.0)
+                for b in blocks
+                if b <= max(L, S)
+            )
+            if any(b <= max(L, S) for b in blocks)
+            else None
+        )
+    chosen = choose_band(lambda b: pattern.block_mask(L, S, b, b), blocks)
+    if chosen is None:
         return None
+    block, plan, _ = chosen
     pos_q, pos_k = torch.arange(L).unsqueeze(0), torch.arange(S).unsqueeze(0)
     extra = _extra_keys(plan, pattern, pos_q, pos_k, block)
-    nq = needed.shape[0]
-    return float(nq * block * len(plan.offsets) * block + L * int(extra.numel()))
+    band_part = -(-L // block) * block * len(plan.offsets) * block * BAND_BLOCKS.get(block, 1.0)
+    return float(band_part + L * int(extra.numel()))
 
 
 def _extra_keys(

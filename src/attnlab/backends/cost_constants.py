@@ -25,14 +25,16 @@ per-unit costs differ. Estimates are therefore one-thread times: what matters to
 
 ``"sparse_band"`` is the sparse backend's banded path (:mod:`attnlab.backends.banded`:
 a band of key blocks read in place, plus a few single keys), whose units count the pairs
-it computes (``L * (|D| * 64 + X)``). It was added later, on a more loaded machine, so it
-is scaled from ``tiled``'s constants by the per-unit ratio measured in the same run (one
-thread, process time, sliding window 512, best of three): 1.39x and 1.69x ``tiled``'s
-per-unit time forward at 8192 and 2048 tokens (7.5e-9 taken), 2.0x and 3.1x forward +
-backward at 1024 and 2048 (autograd through the per-offset products; 4.0e-8 taken). So a
-plain window stays with ``tiled`` (its 256-wide tiles waste less than they cost), while
-Longformer's window + global keys, whose global columns cost ``tiled`` three more
-256-wide tiles per row, goes to the band (about 2x faster there).
+it computes (``L * (|D| * b + X)``, weighted by the block's relative time per pair,
+``BAND_BLOCKS``). It was added later, on a more loaded machine, so it is scaled from
+``tiled``'s constants by the per-unit ratio measured in the same run (one thread,
+process time, sliding window 512, best of three; the cells of ``--calibrate``, which
+now fits a ``sparse_band`` row of its own): 1.26x and 1.32x ``tiled``'s per-unit time
+forward at 8192 and 2048 tokens (6.5e-9 taken; the two take the same time there, the
+band computing fewer pairs), 2.3x and 2.6x forward + backward at 1024 and 2048 (autograd
+through the per-offset products; 3.9e-8 taken). So a plain window stays with ``tiled``,
+while Longformer's window + global keys, whose global columns cost ``tiled`` up to three
+more 256-wide tiles per row, goes to the band (2.4x faster than ``tiled`` at 4096 tokens).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ CONSTANTS: dict[str, dict[str, dict[str, Pair]]] = {
         "sdpa": {"fwd": (1e-4, 3.5e-9), "fwd_bwd": (5e-4, 2.1e-8)},
         "tiled": {"fwd": (2e-3, 5.0e-9), "fwd_bwd": (5e-3, 1.6e-8)},
         "sparse": {"fwd": (5e-3, 1.1e-8), "fwd_bwd": (5e-3, 5.9e-8)},
-        "sparse_band": {"fwd": (2e-3, 7.5e-9), "fwd_bwd": (5e-3, 4.0e-8)},
+        "sparse_band": {"fwd": (2e-3, 6.5e-9), "fwd_bwd": (5e-3, 3.9e-8)},
         "flex": {"fwd": (1e-3, 2.8e-9), "fwd_bwd": (1e-3, 8.3e-9)},
         "weights": {"fwd": (0.0, 6.0e-9), "fwd_bwd": (0.0, 6.0e-9)},
     },

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.backend_traits import TRAITS
-from attnlab.backends.banded import band_pairs, band_plan, banded_core
+from attnlab.backends.banded import BAND_BLOCKS, band_pairs, banded_core, choose_band
 from attnlab.backends.blocks import (
     MaskSpec,
     check_blockwise_call,
@@ -83,12 +83,21 @@ def _sparse_core(
     assert spec.pattern is not None and spec.dense is None
     N, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[-1]
-    needed, full_tiles = spec.pattern.block_mask(
-        L, S, block, block, q_positions=spec.q_pos.cpu(), k_positions=spec.k_pos.cpu()
-    )  # [nq, nk]
-    plan = band_plan(needed)
-    if plan is not None:  # a band of tiles plus a few keys: read the key blocks in place
-        return banded_core(q, k, v, spec, scale, block, plan, full_tiles, BAND_SCORE_BUDGET)
+    q_cpu, k_cpu = spec.q_pos.cpu(), spec.k_pos.cpu()
+    masks: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def block_mask(b: int) -> tuple[Tensor, Tensor]:
+        if b not in masks:
+            assert spec.pattern is not None
+            masks[b] = spec.pattern.block_mask(L, S, b, b, q_positions=q_cpu, k_positions=k_cpu)
+        return masks[b]  # ([nq, nk], [nq, nk])
+
+    # The default block tries the band at every size; a block the caller names, only at it.
+    band = choose_band(block_mask, tuple(BAND_BLOCKS) if block == BLOCK else (block,))
+    if band is not None:  # a band of tiles plus a few keys: read the key blocks in place
+        b, plan, full_tiles = band
+        return banded_core(q, k, v, spec, scale, b, plan, full_tiles, BAND_SCORE_BUDGET)
+    needed = block_mask(block)[0]  # [nq, nk]
     nq, nk = needed.shape
     dev = q.device
     q_pad = F.pad(q, (0, 0, 0, nq * block - L))  # [N, H, nq*b, E]
@@ -231,7 +240,7 @@ def _banded_pairs(call: AttentionCall) -> float | None:
     if call.is_causal:
         pattern = causal() if pattern is None else pattern & causal()
     assert pattern is not None
-    pairs = band_pairs(pattern, L, S, BLOCK)
+    pairs = band_pairs(pattern, L, S, tuple(BAND_BLOCKS))
     _band_cache[key] = (call.pattern, pairs)  # keeps the pattern alive: ids stay unique
     if len(_band_cache) > _MAX_CACHED:
         _band_cache.popitem(last=False)
