@@ -132,9 +132,8 @@ def _child(
             heads = model.config.num_attention_heads
             q = torch.empty(1, heads, seq, model.config.hidden_size // heads)
             window = model.layers[0].attention.window
-            with ctx:
-                chosen = explain(q, q, q, attn_mask=longformer_pattern(window, glob.bool(), None))
-            chosen = chosen.chosen
+            pattern = longformer_pattern(window, glob.bool(), None)
+            chosen = explain(q, q, q, attn_mask=pattern, backend=backend).chosen
     torch.save(h[0, :64].clone(), os.path.join(folder, f"out-{impl}-{seq}.pt"))
     print(
         json.dumps(
