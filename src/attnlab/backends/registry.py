@@ -173,6 +173,11 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def forget_choices() -> None:
+    """Forget every memoized choice (a backend's ability to run calls has changed)."""
+    _MEMO.clear()
+
+
 def bucket(n: int) -> int:
     """A length's memo bucket: exact up to 16, then the next power of two.
 
@@ -265,6 +270,18 @@ def use(name: str) -> Iterator[None]:
 def current() -> str:
     """The backend ``auto`` resolves to in this context (``"auto"`` if none is set)."""
     return _FORCED.get() or "auto"
+
+
+def choose(call: AttentionCall, backend: str = "auto") -> Explanation:
+    """The backend that runs ``call`` and why, from a description alone (no tensors needed).
+
+    What ``auto`` decides for a real call, for tools that describe attention by its
+    shapes (the cost model, the advisor). Not memoized.
+
+    Raises:
+        ValueError: a named (or :func:`use`-set) backend that cannot run the call.
+    """
+    return _choose(call, backend)
 
 
 def _choose(call: AttentionCall, backend: str) -> Explanation:
