@@ -45,7 +45,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import shutil
+import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable
@@ -239,11 +241,18 @@ def _compile_refusal(family: tuple[Any, ...], needs_compile: bool) -> str | None
     """Why a call of kernel ``family`` cannot get a fused kernel now, or None if it can."""
     if _broken is not None:
         return _broken
-    if torch._dynamo.config.disable:
-        return "torch.compile is disabled (TORCHDYNAMO_DISABLE); uncompiled it runs unfused"
-    stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
-    if stance == "force_eager" or (stance == "eager_on_recompile" and needs_compile):
-        return f"torch.compiler.set_stance({stance!r}) would run FlexAttention unfused"
+    dynamo = sys.modules.get("torch._dynamo")  # not imported by a mere check: ~2 s
+    if dynamo is None:
+        if os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1":
+            return "torch.compile is disabled (TORCH_COMPILE_DISABLE=1); uncompiled it is unfused"
+    else:
+        if dynamo.config.disable:
+            return (
+                "torch.compile is disabled (torch._dynamo.config.disable); uncompiled it is unfused"
+            )
+        stance = getattr(getattr(dynamo.eval_frame, "_stance", None), "stance", "default")
+        if stance == "force_eager" or (stance == "eager_on_recompile" and needs_compile):
+            return f"torch.compiler.set_stance({stance!r}) would run FlexAttention unfused"
     if family not in _entries and len(_entries) >= MAX_FAMILIES:
         return (
             f"already compiled kernels for {len(_entries)} patterns/dtypes/layouts in this "

@@ -449,7 +449,7 @@ class DecoderLM(nn.Module):
         q_slots = start + torch.arange(n, device=x.device)[None]
         pattern, is_causal, _, k_pos = self._pattern(first, attention_mask, start, n, q_slots)
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False))
+        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False, first))
 
     def _backend_for(self, call: AttentionCall) -> str:
         """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
@@ -489,7 +489,7 @@ class DecoderLM(nn.Module):
         token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
         pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        call = self._attention_call(x, pattern, is_causal, s, output_attentions)
+        call = self._attention_call(x, pattern, is_causal, s, output_attentions, first)
         backend = self._backend_for(call) if backend is None else backend  # once per forward
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
@@ -580,8 +580,10 @@ class DecoderLM(nn.Module):
         is_causal: bool,
         s: int,
         need_weights: bool,
+        first: KVCache | None = None,
     ) -> AttentionCall:
-        """The one :class:`AttentionCall` every self-attention layer of this forward shares."""
+        """The one :class:`AttentionCall` every self-attention layer of this forward shares
+        (``first``: the first layer's cache; a paged one gives the call its block size)."""
         c = self.config
         assert c.head_dim is not None and c.num_key_value_heads is not None
         b, n = x.shape[:2]
@@ -601,6 +603,7 @@ class DecoderLM(nn.Module):
             and (x.requires_grad or self.output_weight.requires_grad),
             return_weights=need_weights,
             positions=pattern is not None,
+            block_size=getattr(first, "block_size", 0) if pattern is not None else 0,
         )
 
     # ------------------------------------------------------------------ pieces
