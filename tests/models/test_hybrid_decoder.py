@@ -99,3 +99,10 @@ def test_bad_layouts_and_caches_are_rejected() -> None:
     cache.layers[0] = DynamicKVCache()  # a KV cache where a Mamba layer keeps its state
     with pytest.raises(TypeError, match="recurrent state"):
         model(torch.tensor([[1, 2]]), past_key_values=cache)
+
+
+def test_the_cost_model_refuses_a_hybrid_rather_than_miscount_it() -> None:
+    from attnlab.analysis.cost import estimate
+
+    with pytest.raises(ValueError, match="hybrid"):
+        estimate(_model().config, seq_len=64)

@@ -246,6 +246,15 @@ def _ffn_name(config: Any) -> str:
 
 
 def _decoder(config: Any) -> ArchSpec:
+    mixers = sorted({spec.mixer for spec in config.layer_specs})
+    if mixers != ["attention"]:
+        # an ArchSpec describes uniform attention layers: costing a hybrid's Mamba layers as
+        # attention would be wrong (parameters, FLOPs, and a KV cache they do not keep)
+        raise ValueError(
+            f"the cost model covers attention decoders (and, through estimate_recurrent, "
+            f"pure state-space models); this layout mixes {mixers} layers, a hybrid it does "
+            "not estimate"
+        )
     pos = config.position_embedding
     out_bias = config.attention_out_bias
     return ArchSpec(
