@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.experiments._common import ExperimentResult, plot_loss_curves, train_model
+from attnlab.experiments._common import (
+    ExperimentResult,
+    model_device,
+    plot_loss_curves,
+    train_model,
+)
 
 NAME = "induction"
 TITLE = "Induction heads: a two-layer attention-only model on repeated random tokens"
@@ -88,6 +93,7 @@ def half_losses(model: nn.Module, ids: Tensor) -> tuple[float, float]:
     """Mean next-token loss on the first half and on the repeated half (nats)."""
     model.eval()
     n = ids.shape[1] // 2
+    ids = ids.to(model_device(model))
     logits = model(input_ids=ids).logits[:, :-1]
     tgt = ids[:, 1:]
     per = nn.functional.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")  # [B, L-1]
@@ -99,10 +105,11 @@ def prefix_matching_scores(model: nn.Module, ids: Tensor) -> Tensor:
     """``[layers, heads]``: mean attention from query ``n + i`` to key ``i + 1``."""
     model.eval()
     n = ids.shape[1] // 2
-    att = model(input_ids=ids, output_attentions=True).attentions  # layers x [B, H, L, L]
+    att = model(input_ids=ids.to(model_device(model)), output_attentions=True).attentions
+    # layers x [B, H, L, L]
     q = torch.arange(n, 2 * n - 1)
     k = q - n + 1
-    return torch.stack([a[:, :, q, k].mean(dim=(0, 2)) for a in att])
+    return torch.stack([a[:, :, q, k].float().mean(dim=(0, 2)).cpu() for a in att])
 
 
 def run(
@@ -217,7 +224,8 @@ def _plot(
     half = ids.shape[1] // 2
     ids = torch.cat([ids[:, :half], ids[:, :half]], 1)
     with torch.no_grad():
-        w = model(input_ids=ids, output_attentions=True).attentions[li][0, hi]
+        w = model(input_ids=ids.to(model_device(model)), output_attentions=True)
+        w = w.attentions[li][0, hi].cpu()
     toks = [str(int(t)) for t in ids[0]]
     hm = heatmap_figure(w, toks, title=f"induction head L{li}H{hi} (prefix matching)")
     save_png(hm, path.with_name("induction_head.png"))

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.experiments._common import ExperimentResult, new_axes, save_figure, train_model
+from attnlab.experiments._common import (
+    ExperimentResult,
+    model_device,
+    new_axes,
+    save_figure,
+    train_model,
+)
 
 NAME = "recall"
 TITLE = "Multi-query associative recall: attention vs linear attention vs Mamba, RWKV, RetNet"
@@ -85,7 +91,7 @@ class MQAR:
 def recall_accuracy(model: nn.Module, ids: Tensor, labels: Tensor) -> float:
     """Share of answers predicted exactly (argmax at the position before each answer)."""
     model.eval()
-    pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
+    pred = model(input_ids=ids.to(model_device(model))).logits[:, :-1].argmax(-1).cpu()
     tgt = labels[:, 1:]
     keep = tgt != -100
     return float((pred[keep] == tgt[keep]).float().mean())
