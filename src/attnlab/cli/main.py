@@ -37,6 +37,7 @@ SUBCOMMANDS: list[str] = [
     "diagnose",
     "visualize",
     "backends",
+    "embed",
     "train",
     "serve",
     "distill",

@@ -10,6 +10,8 @@ attached to a mask pattern: ``masks.causal().with_scores(alibi(slopes))``.
   :func:`attnlab.functional.positions.alibi_slopes` (Press et al., 2022,
   "Train short, test long: attention with linear biases enables input length
   extrapolation").
+* :func:`symmetric_alibi`: ALiBi by absolute distance ``|kv_idx - q_idx|``, for
+  bidirectional encoders.
 * :func:`softcap`: logit soft-capping ``cap * tanh(s / cap)`` (Bello et al., 2016,
   "Neural combinatorial optimization with reinforcement learning"; used by Gemma 2).
 * :func:`t5_bias`: T5's learned relative-position bias, one scalar per (bucket, head)
@@ -40,12 +42,14 @@ __all__ = [
     "ALiBi",
     "ScoreMod",
     "SoftCap",
+    "SymmetricALiBi",
     "T5Bias",
     "alibi",
     "alibi_slopes",
     "apply_score_mods",
     "score_mods_backward",
     "softcap",
+    "symmetric_alibi",
     "t5_bias",
 ]
 
@@ -106,6 +110,23 @@ class ALiBi(ScoreMod):
 
     def __repr__(self) -> str:
         return f"alibi({self.slopes.numel()} heads)"
+
+
+class SymmetricALiBi(ALiBi):
+    """``score - slope[h] * |kv_idx - q_idx|``: ALiBi for bidirectional encoders.
+
+    Press et al., 2022 define ALiBi for causal models, where ``kv_idx <= q_idx``; encoders
+    that use it (e.g. MosaicBERT, Portes et al., 2023) penalise the distance on both sides.
+    """
+
+    def __call__(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        slope = self.slopes.to(device=score.device, dtype=score.dtype)[h]
+        return score - slope * (kv_idx - q_idx).abs().to(score.dtype)
+
+    def __repr__(self) -> str:
+        return f"symmetric_alibi({self.slopes.numel()} heads)"
 
 
 class SoftCap(ScoreMod):
@@ -201,6 +222,11 @@ def alibi(slopes: Sequence[float] | Tensor | int) -> ALiBi:
     if isinstance(slopes, int):
         return ALiBi(alibi_slopes(slopes))
     return ALiBi(slopes)
+
+
+def symmetric_alibi(num_heads: int) -> SymmetricALiBi:
+    """Two-sided ALiBi with the paper's slopes for ``num_heads`` heads (encoders)."""
+    return SymmetricALiBi(alibi_slopes(num_heads))
 
 
 def softcap(cap: float) -> SoftCap:

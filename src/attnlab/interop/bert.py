@@ -12,6 +12,7 @@ from attnlab.interop.hf import (
     register_converter,
     require_transformers,
 )
+from attnlab.interop.sentence_transformers import attach_sentence_settings
 from attnlab.models.config import EncoderConfig
 from attnlab.models.encoder import EncoderModel
 
@@ -76,6 +77,12 @@ def key_map(model: nn.Module) -> dict[str, str]:
 def to_hf_model(model: nn.Module) -> nn.Module:
     assert isinstance(model, EncoderModel)
     c = model.config
+    if c.position_embedding_type != "absolute" or c.attention_window is not None:
+        raise ValueError(
+            "BERT has learned absolute positions and full attention; this EncoderModel has "
+            f"position_embedding_type={c.position_embedding_type!r}, "
+            f"attention_window={c.attention_window!r}"
+        )
     if c.norm_position != "post":
         raise ValueError("BERT is post-LN; a pre-LN EncoderModel has no transformers equivalent")
     if c.num_key_value_heads != c.num_attention_heads:
@@ -98,5 +105,11 @@ BERT = register_converter(
         build=EncoderModel,
         key_map=key_map,
         to_hf_model=to_hf_model,
+        folder_extras=attach_sentence_settings,
+        accepts=lambda m: (
+            isinstance(m, EncoderModel)
+            and m.config.attention_window is None
+            and m.config.position_embedding_type == "absolute"
+        ),
     )
 )

@@ -54,6 +54,9 @@ class Converter:
             applied to the renamed state dict before it is loaded into transformers.
         accepts: optional ``attnlab model -> bool`` choosing this converter in ``to_hf``
             when several share ``attnlab_class`` (GPT-2, Llama, ... are all ``DecoderLM``).
+        folder_extras: optional ``(model, folder) -> None`` run after loading from a folder:
+            reads what lives beside the weights (BERT: sentence-transformers' pooling
+            settings and the tokenizer).
     """
 
     model_type: str
@@ -67,6 +70,7 @@ class Converter:
     weights_from_hf: Callable[[dict[str, Tensor], Any], dict[str, Tensor]] | None = None
     weights_to_hf: Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]] | None = None
     accepts: Callable[[nn.Module], bool] | None = None
+    folder_extras: Callable[[nn.Module, Path], None] | None = None
 
 
 _CONVERTERS: dict[str, Converter] = {}
@@ -106,7 +110,16 @@ def register_converter(conv: Converter) -> Converter:
 
 
 def _ensure_registered() -> None:
-    from attnlab.interop import bert, bloom, gpt2, llama, moe, ssm, t5  # noqa: F401  (registers)
+    from attnlab.interop import (  # noqa: F401  (registers)
+        bert,
+        bloom,
+        gpt2,
+        llama,
+        longformer,
+        moe,
+        ssm,
+        t5,
+    )
 
 
 def supported_architectures() -> list[str]:
@@ -156,7 +169,7 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
         prefix = conv.hf_classes.get(arch, "")
         if not prefix and conv.base_prefix and any(k.startswith(conv.base_prefix) for k in weights):
             prefix = conv.base_prefix
-        return _assemble(
+        model = _assemble(
             conv,
             cfg,
             weights,
@@ -166,6 +179,9 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
             error=ModelFileError,
             config_file=str(folder / "config.json"),
         )
+        if conv.folder_extras is not None:
+            conv.folder_extras(model, folder)
+        return model
     if isinstance(model_or_local_dir, nn.Module) and hasattr(model_or_local_dir, "config"):
         hf: Any = model_or_local_dir
         cls = type(hf).__name__

@@ -17,7 +17,9 @@ from attnlab.functional._checks import (
 from attnlab.models._base import ConfigBase
 from attnlab.modules.activations import activation_names
 
-__all__ = ["EncoderConfig"]
+__all__ = ["POSITION_TYPES", "EncoderConfig"]
+
+POSITION_TYPES = ("absolute", "roberta", "rope", "alibi")
 
 
 @dataclass
@@ -40,6 +42,16 @@ class EncoderConfig(ConfigBase):
         pad_token_id: padding token id.
         norm_position: ``"post"`` (BERT) or ``"pre"`` (pre-LN, with a final norm).
         add_pooler: add BERT's pooler (dense + tanh over the first token).
+        attention_window: Longformer's local attention (Beltagy et al., 2020): each token
+            attends to ``attention_window // 2`` keys on either side plus the global tokens
+            a forward names (``global_attention_mask``), with separate global projections.
+            An even int for every layer, or one per layer; None (default) is full attention.
+        position_embedding_type: ``"absolute"`` (BERT: learned, counted from 0),
+            ``"roberta"`` (learned, counted from ``pad_token_id + 1``, padding tokens at
+            ``pad_token_id``: RoBERTa, Longformer), ``"rope"`` (rotary, Su et al., 2021) or
+            ``"alibi"`` (a symmetric linear bias ``-m_h |i - j|``, Press et al., 2022): the
+            last two have no learned position table, and suit long encoders.
+        rope_theta: RoPE's base.
         gradient_checkpointing: recompute each layer in the backward instead of keeping
             its activations (training only).
     """
@@ -59,6 +71,9 @@ class EncoderConfig(ConfigBase):
     pad_token_id: int | None = 0
     norm_position: str = "post"
     add_pooler: bool = True
+    attention_window: int | tuple[int, ...] | None = None
+    position_embedding_type: str = "absolute"
+    rope_theta: float = 10000.0
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -93,6 +108,48 @@ class EncoderConfig(ConfigBase):
         self._check_token_ids("pad_token_id")
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {self.norm_position!r}")
+        if self.position_embedding_type not in POSITION_TYPES:
+            raise ValueError(
+                f"position_embedding_type must be one of {POSITION_TYPES}, got "
+                f"{self.position_embedding_type!r}"
+            )
+        if self.position_embedding_type == "roberta" and self.pad_token_id is None:
+            raise ValueError("position_embedding_type='roberta' needs a pad_token_id")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
+        if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.attention_window is not None:
+            w = self.attention_window
+            if isinstance(w, list):
+                w = self.attention_window = tuple(w)
+            windows = w if isinstance(w, tuple) else (w,)
+            bad = [
+                x
+                for x in windows
+                if isinstance(x, bool) or not isinstance(x, int) or x < 2 or x % 2
+            ]
+            if bad or not windows:
+                raise ValueError(
+                    f"attention_window must be an even int >= 2 or one per layer, got {w!r}"
+                )
+            if isinstance(w, tuple) and len(w) != self.num_hidden_layers:
+                raise ValueError(
+                    f"attention_window has {len(w)} entries for {self.num_hidden_layers} layers"
+                )
+            if self.num_key_value_heads != self.num_attention_heads:
+                raise ValueError(
+                    "Longformer attention (attention_window) has no grouped-query variant: "
+                    f"num_key_value_heads={self.num_key_value_heads} != "
+                    f"num_attention_heads={self.num_attention_heads}"
+                )
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys on each side that layer ``layer`` attends to, or None for full attention."""
+        w = self.attention_window
+        if w is None:
+            return None
+        return (w[layer] if isinstance(w, tuple) else w) // 2
 
     @property
     def head_dim(self) -> int:

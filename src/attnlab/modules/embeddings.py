@@ -19,7 +19,8 @@ class Embeddings(nn.Module):
     Args:
         vocab_size: number of token ids.
         embed_dim: model width ``D``.
-        max_positions: number of learned positions (sequence length limit).
+        max_positions: number of learned positions (sequence length limit); 0 for none
+            (positions then come from the attention: RoPE, ALiBi).
         type_vocab_size: number of token types (segments); 0 disables them.
         layer_norm_eps: LayerNorm epsilon.
         dropout: dropout after the LayerNorm (training only).
@@ -42,7 +43,9 @@ class Embeddings(nn.Module):
         self.max_positions = max_positions
         self.type_vocab_size = type_vocab_size
         self.word_embeddings = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_token_id)
-        self.position_embeddings = nn.Embedding(max_positions, embed_dim)
+        self.position_embeddings = (
+            nn.Embedding(max_positions, embed_dim) if max_positions > 0 else None
+        )
         self.token_type_embeddings = (
             nn.Embedding(type_vocab_size, embed_dim) if type_vocab_size > 0 else None
         )
@@ -85,17 +88,20 @@ class Embeddings(nn.Module):
                 "token per row"
             )
         seq_len = shape[1]
-        if position_ids is None:
+        x = inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
+        if self.position_embeddings is None:
+            pass
+        elif position_ids is None:
             if seq_len > self.max_positions:
                 raise ValueError(
                     f"sequence length {seq_len} exceeds max_position_embeddings "
                     f"({self.max_positions})"
                 )
             position_ids = torch.arange(seq_len, device=device).unsqueeze(0)  # [1, S]
+            x = x + self.position_embeddings(position_ids)
         else:
             position_ids = _check_ids("position_ids", position_ids, self.max_positions, shape)
-        x = inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
-        x = x + self.position_embeddings(position_ids)
+            x = x + self.position_embeddings(position_ids)
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)

@@ -10,12 +10,11 @@ Shape notation: ``B`` batch, ``S`` sequence, ``D`` model width, ``H`` heads.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from attnlab.functional.attention import AttnMask
-from attnlab.modules.attention import MultiHeadAttention
 
 __all__ = ["EncoderLayer", "NormPosition"]
 
@@ -26,7 +25,9 @@ class EncoderLayer(nn.Module):
     """Self-attention and feed-forward sublayers with residuals and norms.
 
     Args:
-        attention: the self-attention module.
+        attention: the self-attention module (:class:`MultiHeadAttention`, or
+            :class:`~attnlab.modules.longformer_attention.LongformerSelfAttention`), called as
+            ``attention(x, attn_mask=..., need_weights=..., **attention_kwargs)``.
         feed_forward: the feed-forward module (its own dropout included).
         attn_norm: norm of the attention sublayer.
         ffn_norm: norm of the feed-forward sublayer.
@@ -37,7 +38,7 @@ class EncoderLayer(nn.Module):
     def __init__(
         self,
         *,
-        attention: MultiHeadAttention,
+        attention: nn.Module,
         feed_forward: nn.Module,
         attn_norm: nn.Module,
         ffn_norm: nn.Module,
@@ -58,16 +59,29 @@ class EncoderLayer(nn.Module):
         return f"norm_position={self.norm_position!r}"
 
     def forward(
-        self, x: Tensor, *, attn_mask: AttnMask = None, need_weights: bool = False
+        self,
+        x: Tensor,
+        *,
+        attn_mask: AttnMask = None,
+        need_weights: bool = False,
+        **attention_kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        """``[B, S, D] -> ([B, S, D], weights [B, H, S, S] or None)``."""
+        """``[B, S, D] -> ([B, S, D], weights [B, H, S, S] or None)``.
+
+        ``attention_kwargs`` go to the attention module (positions for RoPE, Longformer's
+        global and key masks).
+        """
         if self.norm_position == "post":
-            a, w = self.attention(x, attn_mask=attn_mask, need_weights=need_weights)
+            a, w = self.attention(
+                x, attn_mask=attn_mask, need_weights=need_weights, **attention_kwargs
+            )
             x = self.attn_norm(x + self.dropout(a))
             x = self.ffn_norm(x + self.feed_forward(x))
         else:
             h = self.attn_norm(x)
-            a, w = self.attention(h, attn_mask=attn_mask, need_weights=need_weights)
+            a, w = self.attention(
+                h, attn_mask=attn_mask, need_weights=need_weights, **attention_kwargs
+            )
             x = x + self.dropout(a)
             x = x + self.feed_forward(self.ffn_norm(x))
         return x, w
