@@ -12,10 +12,17 @@ The model is a random Llama (4 layers, hidden 256, 8 heads, 2 key/value heads) b
 transformers and converted with ``attnlab.from_hf``, so both libraries run the same
 weights. Figures on a shared CPU are noisy; compare the ratios.
 
+3. with ``--floor``, the decode table of issue 8: per-token time of attnlab eager and
+   compiled (``generate(compile=True)``), transformers' ``generate`` and transformers
+   with a static cache and a compiled step, each as a ratio to the *floor*: the step's
+   own matmuls (q, k, v, o, the MLP's and the LM head's ``F.linear`` on the same
+   weights) called bare in the same run.
+
 Usage::
 
     python benchmarks/decode.py                   # prints the tables
     python benchmarks/decode.py --update-docs     # also writes docs/benchmarks.md
+    python benchmarks/decode.py --floor --vocabs 1000 4096 32000 --batches 1 8
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import attnlab
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Decoding (issue 3)"
+FLOOR_HEADING = "## Decoding against the floor (issue 8)"
 
 
 def build(max_positions: int, vocab: int = 32000) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -125,6 +133,93 @@ def per_token(ours: torch.nn.Module, *, contexts: list[int], steps: int) -> list
     return rows
 
 
+def floor_ms(ours: torch.nn.Module, batch: int, steps: int) -> float:
+    """ms per token of the decode step's matmuls alone, on the model's own weights."""
+    import torch.nn.functional as F
+
+    weights = [
+        (m.weight, m.bias)
+        for m in ours.modules()  # q, k, v, o and the MLP's projections of every layer
+        if isinstance(m, torch.nn.Linear)
+    ]
+    head = ours.output_weight  # type: ignore[attr-defined]
+    d = head.shape[1]
+    x = torch.randn(batch, 1, d)
+    acts = {w.shape[1]: torch.randn(batch, 1, w.shape[1]) for w, _ in weights}
+    with torch.inference_mode():
+        t0 = CLOCK()
+        for _ in range(steps):
+            for w, b in weights:
+                F.linear(acts[w.shape[1]], w, b)
+            F.linear(x, head)
+        return (CLOCK() - t0) / steps * 1e3
+
+
+def hf_compiled_step(hf: torch.nn.Module, ids: torch.Tensor, new: int) -> Callable[[], None]:
+    """transformers with a static cache and a compiled step (graph breaks allowed), greedy."""
+    from transformers import StaticCache
+
+    step = torch.compile(hf.forward, dynamic=False)
+    b, p = ids.shape
+
+    def run() -> None:
+        cache = StaticCache(config=hf.config, max_cache_len=p + new)  # type: ignore[arg-type]
+        with torch.inference_mode():
+            out = hf(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(p))
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            for t in range(p, p + new - 1):
+                pos = torch.tensor([t])
+                out = step(
+                    input_ids=tok,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=pos,
+                    position_ids=pos[None].expand(b, 1),
+                )
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return run
+
+
+def floor_table(*, vocabs: list[int], batches: list[int], new: int, repeats: int) -> list[str]:
+    rows = [
+        "| vocab | batch | floor ms/tok | attnlab eager | attnlab compiled | transformers "
+        "generate | transformers static + compiled | compiled vs transformers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for vocab in vocabs:
+        hf, ours = build(new + 32, vocab)
+        for batch in batches:
+            ids = torch.randint(2, vocab, (batch, 16), generator=torch.Generator().manual_seed(1))
+            ref = hf.generate(ids, max_new_tokens=new, do_sample=False)  # type: ignore[operator]
+            same = torch.equal(ours.generate(ids, new), ref) and torch.equal(  # type: ignore[operator]
+                ours.generate(ids, new, compile=True),  # type: ignore[operator]
+                ref,  # compiles the step once, for this shape
+            )
+            hf_static = hf_compiled_step(hf, ids, new)
+            hf_static()  # compile
+            runs: dict[str, list[float]] = {k: [] for k in ("floor", "eager", "comp", "hf", "hfc")}
+            with torch.inference_mode():
+                for _ in range(repeats):  # alternate: every peer sees the same load
+                    runs["floor"].append(floor_ms(ours, batch, new))
+                    runs["eager"].append(timed(ours.generate, ids, new) / new * 1e3)
+                    runs["comp"].append(timed(ours.generate, ids, new, compile=True) / new * 1e3)
+                    runs["hf"].append(
+                        timed(hf.generate, ids, max_new_tokens=new, do_sample=False) / new * 1e3
+                    )
+                    runs["hfc"].append(timed(hf_static) / new * 1e3)
+            m = {k: statistics.median(v) for k, v in runs.items()}
+            f = m["floor"]
+            rows.append(
+                f"| {vocab} | {batch} | {f:.2f} | {m['eager']:.2f} ({m['eager'] / f:.2f}x) | "
+                f"{m['comp']:.2f} ({m['comp'] / f:.2f}x) | {m['hf']:.2f} ({m['hf'] / f:.2f}x) | "
+                f"{m['hfc']:.2f} ({m['hfc'] / f:.2f}x) | {m['hf'] / m['comp']:.2f}x |"
+                + ("" if same else " (tokens differ!)")
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--new-tokens", type=int, default=256)
@@ -143,12 +238,36 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
     p.add_argument("--update-docs", action="store_true", help=f"write the tables to {DOCS}")
+    p.add_argument("--floor", action="store_true", help="the decode table against the floor")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = p.parse_args()
     global CLOCK
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
         CLOCK = time.process_time
+    if args.floor:
+        rows = floor_table(
+            vocabs=args.vocabs, batches=args.batches, new=args.new_tokens, repeats=args.repeats
+        )
+        env = f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock"
+        text = "\n".join(
+            [
+                "Greedy decoding, random Llama (4 layers, hidden 256, 8 heads, 2 KV heads), "
+                f"prompt 16, {args.new_tokens} new tokens, ms per token (ratio to the floor), "
+                f"median of {args.repeats} alternating runs ({env}):",
+                "",
+                *rows,
+            ]
+        )
+        print(text)
+        if args.update_docs:
+            write_docs(
+                text,
+                command="python benchmarks/decode.py " + " ".join(sys.argv[1:]),
+                heading=FLOOR_HEADING,
+            )
+        return
     gen = [
         "| vocab | batch | attnlab tok/s | transformers tok/s | ratio |",
         "|---|---|---|---|---|",
@@ -182,9 +301,11 @@ def main() -> None:
         write_docs(text, command="python benchmarks/decode.py " + " ".join(sys.argv[1:]))
 
 
-def write_docs(body: str, *, command: str) -> None:
+def write_docs(body: str, *, command: str, heading: str = HEADING) -> None:
     doc = DOCS.read_text()
-    start = doc.index(HEADING) + len(HEADING)
+    if heading not in doc:
+        doc = doc.rstrip() + f"\n\n{heading}\n"
+    start = doc.index(heading) + len(heading)
     nxt = doc.find("\n## ", start)
     end = len(doc) if nxt < 0 else nxt
     section = f"\n\nCommand: `{command}`\n\n{body}\n"

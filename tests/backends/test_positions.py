@@ -19,8 +19,9 @@ from attnlab.backends.sparse import sparse_attention
 from attnlab.backends.tiled import tiled_attention
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional.positions import alibi_slopes, t5_relative_position_bucket
 from attnlab.functional.score_mods import alibi, softcap, t5_bias
-from attnlab.modules.score_bias import T5RelativePositionBias
+from attnlab.modules.positions import T5RelativePositionBias
 
 BUDGET = settings(
     max_examples=25,
@@ -252,13 +253,17 @@ def test_tiled_t5_bias_gradient_with_small_tiles() -> None:
 
 
 def test_t5_score_mod_equals_the_t5_module() -> None:
-    """The score modifier adds what T5's own module (a dense [B, H, L, S] bias) adds."""
+    """The score modifier adds what T5's dense ``[B, H, L, S]`` bias (its table looked up
+    at the buckets of ``k - q``) adds."""
     module = T5RelativePositionBias(
         num_heads=3, num_buckets=16, max_distance=20, bidirectional=False
     )
     q_pos = torch.tensor([[5, 6, 7], [0, 1, 2]])
     k_pos = torch.tensor([[0, 2, 4, 6, 7], [0, 1, 2, 3, 4]])
-    dense = module(q_pos, k_pos)  # [B, H, L, S]
+    bucket = t5_relative_position_bucket(
+        k_pos[:, None, :] - q_pos[:, :, None], bidirectional=False, num_buckets=16, max_distance=20
+    )  # [B, L, S]
+    dense = module.relative_attention_bias(bucket).permute(0, 3, 1, 2)  # [B, H, L, S]
     mod = t5_bias(module.relative_attention_bias.weight, bidirectional=False, max_distance=20)
     h = torch.arange(3).view(-1, 1, 1)
     got = mod(
@@ -280,9 +285,8 @@ def test_alibi_on_slots_equals_bloom_alibi_on_left_padded_rows() -> None:
     pattern = (M.causal() & M.padding(mask)).with_scores(alibi(4))
     out = scaled_dot_product_attention(q, k, v, pattern, q_positions=slots, k_positions=slots)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # BLOOM's positions
-    from attnlab.functional.positions import alibi_bias, alibi_slopes
-
-    bias = alibi_bias(alibi_slopes(4), pos, pos)  # [B, H, L, S]
+    rel = pos[:, None, None, :] - pos[:, None, :, None]  # [B, 1, L, S]: j - i
+    bias = alibi_slopes(4).view(1, -1, 1, 1) * rel  # [B, H, L, S]
     keep = M.causal().to_dense(6, 6) & mask.bool()[:, None, None, :]
     ref, _ = sdpa_reference(q, k, v, bias.masked_fill(~keep, float("-inf")))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

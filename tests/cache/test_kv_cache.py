@@ -30,7 +30,7 @@ def test_static_cache_writes_in_place_and_keeps_its_shape() -> None:
     assert k2.shape == (2, 2, 8, 4) and k2.data_ptr() == ptr
     assert k2[0, 0, :4, 0].tolist() == [0, 1, 2, 3]
     assert c.length == 4
-    assert c.key_slots(4, 1).tolist() == list(range(8))
+    assert c.key_slots(4, 1).tolist() == [list(range(8))]
 
 
 def test_static_cache_too_small_raises_with_the_numbers() -> None:
@@ -54,7 +54,7 @@ def test_dynamic_cache_grows_and_returns_the_prefix() -> None:
         k, v = c.update(*kv(1, start=s), start=s)
     assert k.shape[2] == 9 and k[1, 1, :, 0].tolist() == list(range(9))
     torch.testing.assert_close(v, -k)
-    assert c.key_slots(9, 2).tolist() == list(range(11))
+    assert c.key_slots(9, 2).tolist() == [list(range(11))]
     with pytest.raises(ValueError, match="next slot is 9"):
         c.update(*kv(1, start=12), start=12)
 
@@ -66,7 +66,7 @@ def test_sliding_window_cache_memory_is_bounded_by_the_window() -> None:
     for s in range(6, 40):
         slots = c.key_slots(s, 1)
         k, _ = c.update(*kv(1, start=s), start=s)
-        assert k[0, 0, :, 0].tolist() == slots.tolist()
+        assert k[0, 0, :, 0].tolist() == slots[0].tolist()
         assert c.k is not None and c.k.shape[2] <= 4
     assert c.slots is not None and c.slots.tolist() == [36, 37, 38, 39]
 

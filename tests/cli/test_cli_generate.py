@@ -74,3 +74,10 @@ def test_local_folder_with_a_tokenizer_streams_text(
     new = attnlab.from_hf(tmp_path).generate(torch.tensor([[3, 4, 5]]), 4)[0, 3:]
     assert code == 0
     assert out == "w1 w2 w3 " + " ".join(words[i] for i in new.tolist())
+
+
+def test_compile_is_refused_for_an_encoder_decoder(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--random", "t5", "--ids", "1 2", "--compile"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--compile" in err and "Seq2SeqLM" in err and "Traceback" not in err

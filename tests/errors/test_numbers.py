@@ -24,7 +24,7 @@ from attnlab.functional.positions import rope_inv_freq
 from attnlab.functional.sampling import check_sampling
 from attnlab.models import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnlab.modules import MultiHeadAttention
-from attnlab.modules.rotary import RotaryEmbedding
+from attnlab.modules.positions import RotaryEmbedding
 
 q = torch.randn(1, 2, 3, 8)
 tiny_dec: dict[str, Any] = dict(

@@ -9,16 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.functional.masks import padding, sliding_window
 from attnlab.functional.positions import (
-    alibi_bias,
     alibi_slopes,
     apply_rope,
+    positions_from_mask,
     rope_angles,
     rope_inv_freq,
     sinusoidal_table,
     t5_relative_position_bucket,
 )
-from attnlab.functional.slot_masks import positions_from_mask, slot_mask
 
 
 def test_sinusoidal_matches_the_formula() -> None:
@@ -167,15 +167,6 @@ def test_alibi_slopes_other_head_counts(n: int) -> None:
     torch.testing.assert_close(alibi_slopes(n), ref)
 
 
-def test_alibi_bias_is_minus_slope_times_distance() -> None:
-    slopes = alibi_slopes(4)
-    bias = alibi_bias(slopes, torch.arange(5), torch.arange(5))  # [1, 4, 5, 5]
-    for h in range(4):
-        for i in range(5):
-            for j in range(5):
-                assert bias[0, h, i, j].item() == pytest.approx(-slopes[h].item() * (i - j))
-
-
 def test_t5_buckets_match_transformers() -> None:
     from transformers.models.t5.modeling_t5 import T5Attention
 
@@ -203,11 +194,12 @@ def test_positions_from_left_padded_mask() -> None:
     assert positions_from_mask(mask).tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
 
 
-def test_slot_mask_is_bottom_right_with_window_and_padding() -> None:
-    q = torch.tensor([3, 4])
-    k = torch.tensor([-1, 0, 1, 2, 3, 4])
+def test_the_decoders_pattern_on_slots_is_bottom_right_with_window_and_padding() -> None:
+    """What ``slot_mask`` built densely, the pattern evaluates on the call's slots."""
+    q = torch.tensor([[3, 4]])
+    k = torch.tensor([[-1, 0, 1, 2, 3, 4]])
     mask = torch.tensor([[0, 1, 1, 1, 1]])
-    got = slot_mask(q, k, attention_mask=mask, window=3)[0, 0]
+    got = (sliding_window(2) & padding(mask)).evaluate(q, k)[0, 0]
     assert got.tolist() == [
         [False, False, True, True, True, False],
         [False, False, False, True, True, True],

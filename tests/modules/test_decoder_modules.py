@@ -7,13 +7,18 @@ import torch
 
 from attnlab.cache import DynamicKVCache
 from attnlab.functional.attention import sdpa_reference
+from attnlab.functional.masks import causal
 from attnlab.functional.positions import alibi_slopes
+from attnlab.functional.score_mods import alibi
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.mlp import GatedFeedForward
 from attnlab.modules.norms import RMSNorm
-from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
-from attnlab.modules.rotary import RotaryEmbedding
-from attnlab.modules.score_bias import ALiBi, T5RelativePositionBias
+from attnlab.modules.positions import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+    T5RelativePositionBias,
+)
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -34,12 +39,12 @@ def test_rotary_component_equals_manual_rotation() -> None:
     torch.testing.assert_close(out, mha.out_proj(ref.transpose(1, 2).reshape(2, 5, 16)))
 
 
-def test_score_bias_component_is_added_to_the_scores() -> None:
+@pytest.mark.parametrize("backend", ["auto", "tiled", "reference"])
+def test_alibi_score_modifier_on_the_pattern_is_added_to_the_scores(backend: str) -> None:
     torch.manual_seed(0)
-    alibi = ALiBi(num_heads=4)
-    mha = MultiHeadAttention(embed_dim=16, num_heads=4, score_bias=alibi, scale=1.0)
+    mha = MultiHeadAttention(embed_dim=16, num_heads=4, scale=1.0, backend=backend)
     x = torch.randn(1, 6, 16)
-    _, w = mha(x, is_causal=True, need_weights=True)
+    _, w = mha(x, attn_mask=causal().with_scores(alibi(4)), need_weights=True)
     q, k = _heads(mha.q_proj(x), 4), _heads(mha.k_proj(x), 4)
     i = torch.arange(6)
     bias = -alibi_slopes(4).view(4, 1, 1) * (i[:, None] - i[None, :])
@@ -60,9 +65,13 @@ def test_attention_with_a_cache_equals_attention_over_the_whole_sequence() -> No
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
 
 
-def test_t5_bias_module_uses_buckets_per_head() -> None:
+def test_t5_bias_module_gives_a_score_modifier_over_its_table() -> None:
     bias = T5RelativePositionBias(num_heads=3, num_buckets=8, max_distance=16, bidirectional=True)
-    out = bias(torch.arange(4), torch.arange(6))
+    mod = bias.score_mod()
+    assert mod.table is bias.relative_attention_bias.weight  # by reference: trains
+    h = torch.arange(3).view(-1, 1, 1)
+    q, k = torch.arange(4).view(1, 1, -1, 1), torch.arange(6).view(1, 1, 1, -1)
+    out = mod(torch.zeros(1, 3, 4, 6), torch.zeros((), dtype=torch.long), h, q, k)
     assert out.shape == (1, 3, 4, 6)
     # equal relative positions share a value
     torch.testing.assert_close(out[0, :, 0, 1], out[0, :, 2, 3])

@@ -124,6 +124,20 @@ def test_greedy_generation_matches_transformers(name: str) -> None:
     assert torch.equal(got, ref)
 
 
+@pytest.mark.slow
+def test_compiled_greedy_generation_matches_transformers() -> None:
+    """``generate(compile=True)``: the model's decode step compiled over a static cache."""
+    hf = _hf("mistral")  # RoPE, GQA, a sliding window and left padding in one model
+    ours = attnlab.from_hf(hf)
+    ids, mask = _batch(10)
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    got = ours.generate(ids, 12, attention_mask=mask, compile=True)
+    assert torch.equal(got, ref)
+    again = ours.generate(ids[:, 2:], 12, attention_mask=mask[:, 2:], compile=True)
+    assert torch.equal(again, ours.generate(ids[:, 2:], 12, attention_mask=mask[:, 2:]))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama_tied", "llama_yarn", "mistral", "bloom"])
 def test_round_trip_to_hf_and_through_a_folder(name: str, tmp_path: Path) -> None:
     hf = _hf(name)

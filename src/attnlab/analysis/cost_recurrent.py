@@ -102,14 +102,15 @@ def _shape(c: RecurrentConfig, seq_len: int) -> _Shape:
             params = (
                 lin + e * k + conv_b + r * 0 + e + e * n + e + d + bias
             )  # + dt bias, A, D, norm
-            mm = 2 * lin + 2 * e * k + 2 * e * n
+            mm = 2 * lin + 2 * e * k
             return _Shape(
                 layer_params=params,
-                layer_matmul=mm,
-                layer_matmul_step=mm,
-                layer_elementwise=7 * e * n + 12 * e,
+                layer_matmul=mm,  # the chunked scan reads C . h element-wise (mul + sum)
+                layer_matmul_step=mm + 2 * e * n,  # the one-token step reads it as a product
+                # chunked scan: two passes of decay, product, input, (read) per (channel, state)
+                layer_elementwise=10 * e * n + 12 * e,
                 layer_state=e * (k - 1) + e * n,
-                layer_saved=4.19 * e * n + 14 * e,
+                layer_saved=3.3 * e * n + 14 * e,  # decays, both passes' states
                 extra_params=v * d + d + head,
             )
         assert c.num_heads is not None

@@ -118,6 +118,9 @@ class Backend:
         cost: estimated time of a call (see :mod:`attnlab.backends.cost_model`), or
             None; a backend without an estimate is chosen by ``auto`` only when no
             estimated backend can run the call.
+        trusted_fn: ``fn`` without its data-dependent input checks (a host sync), for
+            the library's trusted path (:func:`dispatch_trusted`), whose caller checks
+            its own outputs; None when ``fn`` has no such check.
     """
 
     name: str
@@ -129,6 +132,7 @@ class Backend:
     priority: int = 100
     description: str = ""
     cost: Callable[[AttentionCall], Estimate | None] | None = None
+    trusted_fn: BackendFn | None = None
 
 
 @dataclass
@@ -364,6 +368,49 @@ def _memoized(
     return hit
 
 
+def choose_call(call: AttentionCall, backend: str = "auto") -> Explanation:
+    """``auto``'s choice for a call a model described itself, memoized like every call.
+
+    A model asks once per forward; the memo key is built from ``call`` alone (lengths
+    bucketed, pattern structure not data), so every step of a decode hits the memo.
+    """
+    requested = backend if backend != "auto" else (_FORCED.get() or "auto")
+    if call.mask == "pattern" and call.pattern is not None:
+        mask: Any = call.pattern.structure()
+    elif call.mask == "none":
+        mask = None
+    else:
+        mask = (call.mask == "bool", call.mask_needs_grad)
+    lq, s = call.query_shape[-2], call.key_shape[-2]
+    sig = (
+        requested,
+        call.dtype,
+        call.device,
+        call.query_shape[:-2],
+        call.key_shape[-3],
+        call.query_shape[-1],
+        call.value_shape[-1],
+        bucket(lq),
+        bucket(s),
+        mask,
+        call.is_causal,
+        call.dropout_p > 0,
+        call.enable_gqa,
+        call.needs_grad or call.mask_needs_grad,
+        call.return_weights,
+        call.positions,
+    )
+    exact = (sig, lq, s)
+    hit = _MEMO.get(sig) or _MEMO.get(exact)
+    if hit is None:
+        why = _choose(call, backend)
+        hit = (get(why.chosen), why)
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[exact if why.chosen == "flex" else sig] = hit
+    return hit[1]
+
+
 def explain(
     query: Tensor,
     key: Tensor,
@@ -437,8 +484,10 @@ def _run(
     scale: float | None,
     q_positions: Tensor | None,
     k_positions: Tensor | None,
+    trusted: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Hand one call to backend ``b``, in the form of mask and positions it takes."""
+    """Hand one call to backend ``b``, in the form of mask and positions it takes
+    (``trusted``: the library's own call, without the backend's data checks)."""
     target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
     extra: dict[str, Tensor | None] = {}
     positions = q_positions is not None or k_positions is not None
@@ -452,7 +501,8 @@ def _run(
         mask = resolve_mask(
             attn_mask, target, device=query.device, q_positions=q_positions, k_positions=k_positions
         )
-    return b.fn(
+    fn = b.trusted_fn if trusted and b.trusted_fn is not None else b.fn
+    return fn(
         query,
         key,
         value,
@@ -543,19 +593,22 @@ def dispatch_trusted(
         ``(output [B.., H, L, Ev], weights or None)``.
     """
     mask: AttnMask = call.pattern if attn_mask is None else attn_mask
-    b, _ = _memoized(
-        query,
-        key,
-        value,
-        mask,
-        backend=backend,
-        dropout_p=call.dropout_p,
-        is_causal=call.is_causal,
-        enable_gqa=call.enable_gqa,
-        return_weights=call.return_weights,
-        positions=call.positions,
-        call=call,
-    )
+    if backend != "auto":  # a name (a model resolves its backend once per forward)
+        b = get(backend)
+    else:
+        b, _ = _memoized(
+            query,
+            key,
+            value,
+            mask,
+            backend=backend,
+            dropout_p=call.dropout_p,
+            is_causal=call.is_causal,
+            enable_gqa=call.enable_gqa,
+            return_weights=call.return_weights,
+            positions=call.positions,
+            call=call,
+        )
     return _run(
         b,
         call.is_causal,
@@ -569,4 +622,5 @@ def dispatch_trusted(
         scale,
         q_positions,
         k_positions,
+        trusted=True,
     )

@@ -8,6 +8,7 @@ kernel, and zeroes their output, so values and gradients stay finite.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,17 +39,29 @@ def sdpa_torch(
     enable_gqa: bool = False,
     *,
     return_weights: bool = False,
+    check_finite: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Run :func:`torch.nn.functional.scaled_dot_product_attention` with attnlab's guarantees.
 
     Shapes as in :func:`attnlab.functional.sdpa_reference`. With ``return_weights``
     the weights are recomputed from a log-sum-exp (:func:`attnlab.backends.attention_weights`).
+    ``check_finite=False`` (a model's trusted call) skips the non-finite check: inside a
+    model a NaN in the query or key is also in the residual stream, so it reaches the
+    logits whatever this kernel does, and ``generate`` checks those every step.
     """
     L, S = query.shape[-2], key.shape[-2]
     if L == 0 or S == 0:
         return empty_attention(query, key, value, return_weights=return_weights)
     acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else None
-    if not math.isfinite(float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))):
+    # (skipped inside a compiled decode step: no host sync there; its caller checks the
+    # logits of every step instead)
+    if (
+        check_finite
+        and not torch.compiler.is_compiling()
+        and not math.isfinite(
+            float(query.detach().sum(dtype=acc)) + float(key.detach().sum(dtype=acc))
+        )
+    ):
         # torch's kernels do not propagate a NaN in the query or key at some shapes (small
         # lengths and head dims), and propagate it from masked keys at others: non-finite
         # inputs take the reference math, which every backend agrees with. One reduction
@@ -77,14 +90,15 @@ def sdpa_torch(
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             row_ok = attn_mask.any(dim=-1, keepdim=True)  # [.., L, 1]
-            if not bool(row_ok.all()):
+            # Compiled (a decode step): no host sync, the fix-up runs unconditionally.
+            if torch.compiler.is_compiling() or not bool(row_ok.all()):
                 attn_mask = attn_mask | ~row_ok
             else:
                 row_ok = None
         else:
             attn_mask = attn_mask.to(query.dtype)
             row_ok = (~torch.isneginf(attn_mask)).any(dim=-1, keepdim=True)
-            if not bool(row_ok.all()):
+            if torch.compiler.is_compiling() or not bool(row_ok.all()):
                 attn_mask = attn_mask.masked_fill(~row_ok, 0.0)
             else:
                 row_ok = None
@@ -134,6 +148,7 @@ SDPA = register(
         fn=sdpa_torch,
         check=_check,
         cost=_cost,
+        trusted_fn=functools.partial(sdpa_torch, check_finite=False),
         **TRAITS["sdpa"].registry_fields(),
     )
 )

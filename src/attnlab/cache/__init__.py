@@ -1,13 +1,12 @@
-"""KV caches: contiguous (static and growing), sliding-window, paged, and cross-attention caches."""
+"""Caches, one protocol: what each layer carries between decoding steps (see :mod:`.base`).
 
-from attnlab.cache.kv_cache import (
-    CrossAttentionCache,
-    DynamicKVCache,
-    KVCache,
-    ModelCache,
-    SlidingWindowKVCache,
-    StaticKVCache,
-)
+KV caches (contiguous static and growing, sliding-window, paged), cross-attention caches
+and the model-level :class:`ModelCache` that holds per-layer caches of possibly different
+kinds.
+"""
+
+from attnlab.cache.base import CrossAttentionCache, KVCache, LayerCache, ModelCache
+from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.cache.paged import BlockAllocator, OutOfBlocks, PagedKVCache, PagedKVPool
 
 __all__ = [
@@ -15,6 +14,7 @@ __all__ = [
     "CrossAttentionCache",
     "DynamicKVCache",
     "KVCache",
+    "LayerCache",
     "ModelCache",
     "OutOfBlocks",
     "PagedKVCache",

@@ -23,12 +23,17 @@ cache layout, and look up padding by slot.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
+
+from attnlab.cache.base import (
+    CrossAttentionCache,
+    KVCache,
+    ModelCache,
+    Start,
+    check_rows,
+    tensor_nbytes,
+)
 
 __all__ = [
     "CrossAttentionCache",
@@ -40,53 +45,33 @@ __all__ = [
 ]
 
 
-def _check_kv(key: Tensor, value: Tensor) -> None:
-    if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
-        raise ValueError(
-            "key and value must be [batch, kv_heads, new_tokens, head_dim] with equal leading dims, "
-            f"got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-
-
-class KVCache(ABC):
-    """A self-attention cache of one layer. Slots are explicit (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.length = 0  # slots written: the next token's slot
-        self.batch_size: int | None = None
-
-    def _check_batch(self, key: Tensor) -> None:
-        if self.batch_size is None:
-            self.batch_size = key.shape[0]
-        elif key.shape[0] != self.batch_size:
+def _int_start(start: Start, kind: str) -> int:
+    """``start`` as one int for caches whose rows stay aligned (host sync for a tensor)."""
+    if isinstance(start, Tensor):
+        if start.dim() == 0:
+            return int(start)
+        first = int(start[0])
+        if bool((start != first).any()):
             raise ValueError(
-                f"batch size {key.shape[0]} does not match the cache's batch size {self.batch_size}"
+                f"a {kind} keeps every row at the same slot, got per-row starts "
+                f"{start.tolist()}; use a StaticKVCache (or the paged cache) for rows of "
+                "different lengths"
             )
-
-    @abstractmethod
-    def key_slots(self, start: int, num_new: int, device: torch.device | None = None) -> Tensor:
-        """Slots of the keys that :meth:`update` will return for ``num_new`` tokens at ``start``.
-
-        Returns:
-            Long ``[S]``; ``-1`` marks an empty entry (to be masked).
-        """
-
-    @abstractmethod
-    def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
-        """Store ``key``/``value`` ``[B, H_kv, L, h_d]`` at slots ``start..start+L-1``.
-
-        Returns:
-            The keys and values to attend to, ``[B, H_kv, S, h_d]``, in the order of
-            :meth:`key_slots`.
-        """
-
-    def reset(self) -> None:
-        """Forget every stored token (buffers may be kept for reuse)."""
-        self.length = 0
+        return first
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise TypeError(f"start must be an int or a long tensor, got {type(start).__name__}")
+    return start
 
 
 class StaticKVCache(KVCache):
     """Preallocated contiguous cache with static shapes (gpt-fast style).
+
+    Keys are written in place at explicit slots and the whole buffer is returned, so a
+    compiled decode step sees the same shapes at every step; unwritten slots lie in the
+    future of every query, so a causal pattern hides them. ``start`` may be a tensor (a
+    0-d position, or one per row): the write is then an ``index_copy``/``index_put``
+    without a host sync, and the caller advances ``length``
+    (:meth:`~attnlab.cache.ModelCache.set_length`).
 
     Args:
         max_length: capacity ``T`` in slots.
@@ -94,8 +79,8 @@ class StaticKVCache(KVCache):
             the buffers are allocated on the first :meth:`update` from its inputs.
 
     Raises:
-        ValueError: an update past ``max_length`` ("cache too small"), or a batch size
-            different from the cache's.
+        ValueError: an update past ``max_length`` ("cache too small"), or a batch size,
+            head count or head dim different from the cache's.
     """
 
     def __init__(
@@ -118,28 +103,63 @@ class StaticKVCache(KVCache):
             shape = (batch_size, num_kv_heads, max_length, head_dim)
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-            self.batch_size = batch_size
+            self._adopt_buffers()
 
-    def key_slots(self, start: int, num_new: int, device: torch.device | None = None) -> Tensor:
-        return torch.arange(self.max_length, device=device)
+    def _adopt_buffers(self) -> None:
+        assert self.k is not None and self.v is not None
+        self.batch_size, self.num_kv_heads, _, self.head_dim = self.k.shape
+        self.value_dim = self.v.shape[3]
+        self.dtype = self.k.dtype
 
-    def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
-        _check_kv(key, value)
-        self._check_batch(key)
+    def key_slots(self, start: Start, num_new: int, device: torch.device | None = None) -> Tensor:
+        return torch.arange(self.max_length, device=device)[None]  # [1, T]
+
+    def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
+        self.check_update(key, value)
         n = key.shape[2]
-        if start < 0 or start + n > self.max_length:
-            raise ValueError(
-                f"cache too small: writing {n} token(s) at slot {start} needs {start + n} slots, "
-                f"the cache holds max_length={self.max_length}"
-            )
+        if not isinstance(start, Tensor):
+            start = _int_start(start, "static cache")
+            if start < 0 or start + n > self.max_length:
+                raise ValueError(
+                    f"cache too small: writing {n} token(s) at slot {start} needs {start + n} "
+                    f"slots, the cache holds max_length={self.max_length}"
+                )
         if self.k is None or self.v is None:
             shape = (key.shape[0], key.shape[1], self.max_length, key.shape[3])
             self.k = key.new_zeros(shape)
             self.v = value.new_zeros((*shape[:3], value.shape[3]))
-        self.k[:, :, start : start + n] = key
-        self.v[:, :, start : start + n] = value
-        self.length = max(self.length, start + n)
+            self._adopt_buffers()
+        assert self.k is not None and self.v is not None
+        if isinstance(start, int):
+            self.k[:, :, start : start + n] = key
+            self.v[:, :, start : start + n] = value
+            self.length = max(self.length, start + n)
+        elif start.dim() == 0:
+            idx = start + torch.arange(n, device=key.device)  # [L]
+            self.k.index_copy_(2, idx, key.to(self.k.dtype))
+            self.v.index_copy_(2, idx, value.to(self.v.dtype))
+        else:
+            idx = start[:, None] + torch.arange(n, device=key.device)  # [B, L]
+            rows = torch.arange(key.shape[0], device=key.device)[:, None]  # [B, 1]
+            # Advanced indices around a slice put their dims first: [B, L, H_kv, h_d].
+            self.k[rows, :, idx] = key.transpose(1, 2).to(self.k.dtype)
+            self.v[rows, :, idx] = value.transpose(1, 2).to(self.v.dtype)
         return self.k, self.v
+
+    def reset(self) -> None:
+        """Forget the tokens; the buffers (and their shapes) are kept for reuse."""
+        self.length = 0
+
+    def select(self, rows: Tensor) -> None:
+        if self.k is None or self.v is None:
+            return
+        rows = check_rows(rows, self.batch_size).to(self.k.device)
+        self.k = self.k.index_select(0, rows)
+        self.v = self.v.index_select(0, rows)
+        self.batch_size = rows.numel()
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.k, self.v)
 
 
 class DynamicKVCache(KVCache):
@@ -156,33 +176,52 @@ class DynamicKVCache(KVCache):
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
-    def key_slots(self, start: int, num_new: int, device: torch.device | None = None) -> Tensor:
-        return torch.arange(start + num_new, device=device)
+    def key_slots(self, start: Start, num_new: int, device: torch.device | None = None) -> Tensor:
+        first = _int_start(start, "growing cache")
+        return torch.arange(first + num_new, device=device)[None]  # [1, S]
 
     def _grow(self, key: Tensor, value: Tensor, need: int) -> None:
         size = max(need, self.capacity, 2 * (self.k.shape[2] if self.k is not None else 0))
-        k = key.new_zeros((key.shape[0], key.shape[1], size, key.shape[3]))
-        v = value.new_zeros((value.shape[0], value.shape[1], size, value.shape[3]))
+        kd = key.dtype if self.k is None else self.k.dtype
+        vd = value.dtype if self.v is None else self.v.dtype
+        k = key.new_zeros((key.shape[0], key.shape[1], size, key.shape[3]), dtype=kd)
+        v = value.new_zeros((value.shape[0], value.shape[1], size, value.shape[3]), dtype=vd)
         if self.k is not None and self.v is not None:
             k[:, :, : self.length] = self.k[:, :, : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
+        self.dtype = k.dtype
 
-    def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
-        _check_kv(key, value)
-        self._check_batch(key)
-        if start != self.length:
+    def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
+        self.check_update(key, value)
+        first = _int_start(start, "growing cache")
+        if first != self.length:
             raise ValueError(
-                f"a growing cache appends: the next slot is {self.length}, got start={start}"
+                f"a growing cache appends: the next slot is {self.length}, got start={first}"
             )
-        end = start + key.shape[2]
+        end = first + key.shape[2]
         if self.k is None or self.k.shape[2] < end:
             self._grow(key, value, end)
         assert self.k is not None and self.v is not None
-        self.k[:, :, start:end] = key
-        self.v[:, :, start:end] = value
+        self.k[:, :, first:end] = key
+        self.v[:, :, first:end] = value
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reset(self) -> None:
+        super().reset()
+        self.k = self.v = None
+
+    def select(self, rows: Tensor) -> None:
+        if self.k is None or self.v is None:
+            return
+        rows = check_rows(rows, self.batch_size).to(self.k.device)
+        self.k = self.k.index_select(0, rows)
+        self.v = self.v.index_select(0, rows)
+        self.batch_size = rows.numel()
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.k, self.v)
 
 
 class SlidingWindowKVCache(KVCache):
@@ -205,86 +244,42 @@ class SlidingWindowKVCache(KVCache):
         self.v: Tensor | None = None
         self.slots: Tensor | None = None  # [n <= window]
 
-    def key_slots(self, start: int, num_new: int, device: torch.device | None = None) -> Tensor:
-        new = torch.arange(start, start + num_new, device=device)
-        return new if self.slots is None else torch.cat((self.slots.to(new.device), new))
+    def key_slots(self, start: Start, num_new: int, device: torch.device | None = None) -> Tensor:
+        first = _int_start(start, "sliding-window cache")
+        new = torch.arange(first, first + num_new, device=device)
+        slots = new if self.slots is None else torch.cat((self.slots.to(new.device), new))
+        return slots[None]  # [1, S]
 
-    def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
-        _check_kv(key, value)
-        self._check_batch(key)
-        if start != self.length:
+    def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
+        self.check_update(key, value)
+        first = _int_start(start, "sliding-window cache")
+        if first != self.length:
             raise ValueError(
-                f"a sliding-window cache appends: the next slot is {self.length}, got start={start}"
+                f"a sliding-window cache appends: the next slot is {self.length}, got start={first}"
             )
         n = key.shape[2]
-        slots = self.key_slots(start, n, key.device)
+        slots = self.key_slots(first, n, key.device)[0]
         if self.k is not None and self.v is not None:
-            key = torch.cat((self.k, key), dim=2)  # [B, H_kv, n + L, h_d]
-            value = torch.cat((self.v, value), dim=2)
+            key = torch.cat((self.k, key.to(self.k.dtype)), dim=2)  # [B, H_kv, n + L, h_d]
+            value = torch.cat((self.v, value.to(self.v.dtype)), dim=2)
         self.k = key[:, :, -self.window :]
         self.v = value[:, :, -self.window :]
+        self.dtype = self.k.dtype
         self.slots = slots[-self.window :]
-        self.length = start + n
+        self.length = first + n
         return key, value
 
     def reset(self) -> None:
         super().reset()
         self.k = self.v = self.slots = None
 
+    def select(self, rows: Tensor) -> None:
+        if self.k is None or self.v is None:
+            return
+        rows = check_rows(rows, self.batch_size).to(self.k.device)
+        self.k = self.k.index_select(0, rows)
+        self.v = self.v.index_select(0, rows)
+        self.batch_size = rows.numel()
 
-class CrossAttentionCache:
-    """The projected keys/values of the encoder output for one cross-attention layer.
-
-    Filled by the first decoder step, reused by every later step.
-    """
-
-    def __init__(self) -> None:
-        self.key: Tensor | None = None
-        self.value: Tensor | None = None
-
-    @property
-    def filled(self) -> bool:
-        return self.key is not None
-
-    def store(self, key: Tensor, value: Tensor) -> None:
-        """Keep ``key``/``value`` ``[B, H_kv, S_enc, h_d]``."""
-        _check_kv(key, value)
-        self.key, self.value = key, value
-
-    def reset(self) -> None:
-        self.key = self.value = None
-
-
-@dataclass
-class ModelCache:
-    """The caches of a whole model: one per layer, plus cross-attention caches for a decoder
-    of an encoder-decoder. ``past_key_values`` of attnlab models.
-
-    Attributes:
-        layers: self-attention caches, one per layer.
-        cross: cross-attention caches, one per layer, or None.
-    """
-
-    layers: list[KVCache]
-    cross: list[CrossAttentionCache] | None = None
-
-    @property
-    def length(self) -> int:
-        """Slots written so far (the next token's slot)."""
-        return self.layers[0].length if self.layers else 0
-
-    @classmethod
-    def build(
-        cls, num_layers: int, make: Callable[[], KVCache], *, cross: bool = False
-    ) -> ModelCache:
-        """``num_layers`` caches from the factory ``make`` (e.g. ``lambda: DynamicKVCache()``)."""
-        return cls(
-            layers=[make() for _ in range(num_layers)],
-            cross=[CrossAttentionCache() for _ in range(num_layers)] if cross else None,
-        )
-
-    def reset(self) -> None:
-        for c in self.layers:
-            c.reset()
-        for x in self.cross or []:
-            x.reset()
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.k, self.v, self.slots)

@@ -55,6 +55,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the prompt and generated ids (and text) as JSON when done, not streamed",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the model's decode step with torch.compile over a static cache "
+        "(decoder-only models; the first tokens wait for the compile)",
+    )
     p.set_defaults(func=run)
 
 
@@ -133,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("pass a prompt with --prompt TEXT or --ids '1 2 3'")
     if not prompt:
         raise ValueError("the prompt is empty")
+    if args.compile and model.is_encoder_decoder:
+        raise ValueError(
+            f"--compile compiles a decoder-only model's decode step; "
+            f"{type(model).__name__} is an encoder-decoder: drop --compile"
+        )
     vocab = model.config.vocab_size
     if max(prompt) >= vocab:
         raise ValueError(
@@ -160,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         eos_token_id=eos,
         generator=generator,
+        compile=args.compile,
     ):
         new.append(int(tok[0]))
         if tokenizer is None:

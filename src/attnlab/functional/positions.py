@@ -4,7 +4,8 @@ Shape notation: ``B`` batch, ``H`` heads, ``L`` query length, ``S`` key length,
 ``h_d`` head dim, ``P`` number of positions.
 
 Every function here is the reference math, written for clarity; the modules in
-:mod:`attnlab.modules.position` own the buffers and call these.
+:mod:`attnlab.modules.positions` own the buffers and call these; ALiBi and T5's bias
+reach the scores as score modifiers (:mod:`attnlab.functional.score_mods`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from attnlab.functional._checks import check_int, check_real
 
 __all__ = [
     "ROPE_TYPES",
-    "alibi_bias",
     "alibi_slopes",
     "apply_rope",
     "check_rope_parameters",
+    "positions_from_mask",
     "rope_angles",
     "rope_inv_freq",
     "sinusoidal_table",
@@ -344,23 +345,6 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """ALiBi's linear bias ``-slope_h * (i - j)`` added to the score of query ``i``, key ``j``.
-
-    Args:
-        slopes: ``[H]``.
-        q_positions: ``[B, L]`` (or ``[L]``) query positions.
-        k_positions: ``[B, S]`` (or ``[S]``) key positions.
-
-    Returns:
-        float32 ``[B, H, L, S]`` (``B = 1`` for 1-D positions).
-    """
-    q = q_positions.reshape(-1, q_positions.shape[-1]).to(torch.float32)  # [B, L]
-    k = k_positions.reshape(-1, k_positions.shape[-1]).to(torch.float32)  # [B, S]
-    rel = k[:, None, None, :] - q[:, None, :, None]  # [B, 1, L, S]
-    return slopes.to(torch.float32).view(1, -1, 1, 1) * rel  # [B, H, L, S]
-
-
 # --------------------------------------------------------------------------- T5
 
 
@@ -403,3 +387,22 @@ def t5_relative_position_bucket(
     ).to(torch.long)
     large = torch.minimum(large, torch.full_like(large, num_buckets - 1))
     return buckets + torch.where(is_small, distance.long(), large)
+
+
+# --------------------------------------------------------------------------- padding
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids of a left-padded batch: ``cumsum(mask) - 1``, padding set to 1.
+
+    The convention of transformers' ``generate`` (and so of its checkpoints' users):
+    the first real token of each row is position 0 whatever its padding.
+
+    Args:
+        attention_mask: ``[B, T]`` of 1 (token) / 0 (padding).
+
+    Returns:
+        Long ``[B, T]``.
+    """
+    m = attention_mask.long()
+    return (m.cumsum(-1) - 1).masked_fill(m == 0, 1)

@@ -2,7 +2,11 @@
 
 Shape notation: ``B`` batch, ``P`` prompt length (padding included), ``N`` new tokens.
 
-The loop runs the prompt once, then one token per step against the cache. It follows
+The loop runs the prompt once through the model's forward, then one token per step
+through the model's own :meth:`~attnlab.models.decoder.DecoderLM.decode_step`: eagerly
+over a growing cache, or, with ``compile=True``, compiled once by ``torch.compile``
+over a :class:`~attnlab.cache.StaticKVCache` (fixed shapes, the slot as a tensor, no
+graph break; gpt-fast's recipe, with no second copy of the forward). It follows
 transformers' ``generate``: positions of a left-padded row start at its first real
 token, a finished row (one that produced an EOS token) continues with the pad token,
 and generation stops when every row has finished or after ``max_new_tokens``.
@@ -18,11 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
+from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
-from attnlab.functional.slot_masks import positions_from_mask
-from attnlab.generation.fast_step import fast_step_for
 
 __all__ = ["generate", "stream"]
+
+#: Static caches of compiled generation hold a multiple of this many slots.
+STATIC_BUCKET = 128
 
 
 def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
@@ -87,7 +93,7 @@ def stream(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
-    fast_path: bool = True,
+    compile: bool = False,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
 
@@ -98,7 +104,7 @@ def stream(
     _check_inputs(model, input_ids, max_new_tokens, attention_mask)
     if max_new_tokens == 0:
         return
-    config = model.config
+    config: Any = model.config
     device = input_ids.device
     b, p = input_ids.shape
     eos = _eos_tensor(eos_token_id, device)
@@ -106,6 +112,7 @@ def stream(
         pad_token_id = getattr(config, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
+    _check_token_id("pad_token_id", pad_token_id, config.vocab_size)
 
     steps = itertools.count()
 
@@ -127,14 +134,19 @@ def stream(
         return
 
     needed = p + max_new_tokens
-    if cache is None:
+    if compile:
+        cache = _static_cache(model, cache, b, needed)
+    elif cache is None:
         cache = model.new_cache(max_length=needed)  # type: ignore[operator]
     else:
+        _check_fresh_cache(cache)
         _check_cache_room(cache, needed)
     full_mask: Tensor | None = None
     next_pos: Tensor | None = None
     if attention_mask is not None and not bool(attention_mask.bool().all()):
-        full_mask = torch.ones(b, needed, dtype=torch.long, device=device)
+        # Over every slot of a static cache when compiling: one shape for every step.
+        slots = cache.layers[0].max_length if compile else needed
+        full_mask = torch.ones(b, slots, dtype=torch.long, device=device)
         full_mask[:, :p] = attention_mask
         next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -145,7 +157,9 @@ def stream(
         use_cache=True,
         logits_to_keep=1,
     ).logits
-    fast = fast_step_for(model, cache) if fast_path else None
+    # models without a trusted decode step (recurrent, encoder-decoder) run their forward
+    step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
+    backend: str | None = None
     for step in range(max_new_tokens):
         tok = choose(logits)
         if eos is not None:
@@ -157,14 +171,34 @@ def stream(
                 return
         if step + 1 == max_new_tokens:
             return
-        length = p + step + 1
-        mask_now = full_mask[:, :length] if full_mask is not None else None
-        if fast is not None:
-            logits = fast(tok[:, None], cache=cache, attention_mask=mask_now, position_ids=next_pos)
+        slot = p + step
+        if compile:  # the slot as a tensor and the whole mask: the same graph every step
+            start = torch.tensor(slot, device=device)
+            if backend is None:  # asked once, eagerly: the registry's context is not traced
+                backend = model.decode_backend(  # type: ignore[operator]
+                    tok[:, None], cache=cache, start=start, attention_mask=full_mask
+                )
+            logits = step_fn(
+                tok[:, None],
+                cache=cache,
+                start=start,
+                position_ids=next_pos,
+                attention_mask=full_mask,
+                backend=backend,
+            )
+            cache.set_length(slot + 1)
+        elif step_fn is not None:
+            logits = step_fn(
+                tok[:, None],
+                cache=cache,
+                start=slot,
+                position_ids=next_pos,
+                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
+            )
         else:
             logits = model(
                 tok[:, None],
-                attention_mask=mask_now,
+                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
                 position_ids=next_pos,
                 past_key_values=cache,
                 use_cache=True,
@@ -172,6 +206,73 @@ def stream(
             ).logits
         if next_pos is not None:
             next_pos = next_pos + 1
+
+
+def compiled_decode_step(model: nn.Module) -> Any:
+    """``torch.compile`` of ``model.decode_step``, made once per model and kept on it.
+
+    The step has fixed shapes over a static cache and takes its slot as a tensor, so one
+    graph serves every step of every generation with the same batch size and cache
+    length (``dynamic=False``; ``fullgraph=True`` fails loudly on a graph break
+    rather than running part of the step eagerly).
+    """
+    step = getattr(model, "_compiled_decode_step", None)
+    if step is None:
+        decode_step: Any = model.decode_step
+        step = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        model.__dict__["_compiled_decode_step"] = step
+    return step
+
+
+def _static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
+    """The static cache of a compiled generation: a new one, or the user's, checked."""
+    config: Any = model.config
+    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "decode_step"):
+        raise ValueError(
+            f"compile=True compiles a decoder-only model's decode step; {type(model).__name__} "
+            "has none: use compile=False"
+        )
+    if (getattr(config, "rope_scaling", None) or {}).get("rope_type") == "dynamic":
+        raise ValueError(
+            "compile=True needs fixed RoPE frequencies; dynamic NTK scaling changes them "
+            "with the length: use compile=False"
+        )
+    if cache is None:
+        # Lengths rounded up to a bucket: one compiled graph serves many prompt lengths
+        # (the causal pattern hides the slots beyond the current one).
+        bucket = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+        return model.new_cache(kind="static", max_length=bucket, batch_size=b)  # type: ignore[operator]
+    _check_fresh_cache(cache)
+    from attnlab.cache import StaticKVCache
+
+    if not all(isinstance(c, StaticKVCache) for c in getattr(cache, "layers", [])):
+        raise ValueError(
+            "compile=True needs static caches (model.new_cache(kind='static', ...)), got "
+            f"{sorted({type(c).__name__ for c in cache.layers})}"
+        )
+    _check_cache_room(cache, needed)
+    return cache
+
+
+def _check_token_id(name: str, value: object, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int token id, got {type(value).__name__} {value!r}")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got {value}")
+
+
+def _check_fresh_cache(cache: Any) -> None:
+    """Refuse a cache that already holds tokens (e.g. left by a stream stopped early).
+
+    Generation writes the prompt at slot 0; continuing a cache that holds another
+    call's tokens would attend to them and silently change the output.
+    """
+    length = getattr(cache, "length", 0)
+    if length:
+        raise ValueError(
+            f"cache holds {length} token(s) from an earlier call (a stream stopped early "
+            "leaves its tokens behind); call cache.reset() or pass a new cache"
+        )
 
 
 def _check_cache_room(cache: Any, needed: int) -> None:
@@ -199,6 +300,8 @@ def _stream_seq2seq(
     encoder_out = model.encode(input_ids, attention_mask=attention_mask)  # [B, S_enc, D]
     if cache is None:
         cache = model.new_cache(max_length=max_new_tokens + 1)
+    else:
+        _check_fresh_cache(cache)
     start_id = model.config.decoder_start_token_id
     tok = torch.full((b,), start_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -234,7 +337,7 @@ def generate(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
-    fast_path: bool = True,
+    compile: bool = False,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -254,8 +357,9 @@ def generate(
         pad_token_id: the filler after EOS (default: the config's, else the EOS id, else 0).
         cache: a :class:`~attnlab.cache.ModelCache` to use (default: a fresh one sized
             for the prompt and the new tokens).
-        fast_path: decode with :class:`~attnlab.generation.fast_step.FastDecodeStep`
-            where it applies (same results; False runs every step through the modules).
+        compile: compile the model's decode step with ``torch.compile`` over a static
+            cache (the first call compiles, later ones reuse the graph); same tokens
+            as the eager loop. Decoder-only models.
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
@@ -281,7 +385,7 @@ def generate(
             generator,
             pad_token_id=pad_token_id,
             cache=cache,
-            fast_path=fast_path,
+            compile=compile,
         )
     )
     if getattr(model, "is_encoder_decoder", False):

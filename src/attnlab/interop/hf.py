@@ -114,6 +114,7 @@ def _ensure_registered() -> None:
         bert,
         bloom,
         gpt2,
+        jamba,
         llama,
         longformer,
         moe,

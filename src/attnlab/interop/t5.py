@@ -78,9 +78,6 @@ def key_map(model: nn.Module) -> dict[str, str]:
         e, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
         for ours, theirs in proj.items():
             m[f"{e}.attention.{ours}.weight"] = f"{t}.0.SelfAttention.{theirs}.weight"
-        m[f"{e}.attention.score_bias.relative_attention_bias.weight"] = m[
-            "encoder_bias.relative_attention_bias.weight"
-        ]
         m[f"{e}.attn_norm.weight"] = f"{t}.0.layer_norm.weight"
         for ours, theirs in ff.items():
             m[f"{e}.feed_forward.{ours}.weight"] = f"{t}.1.DenseReluDense.{theirs}.weight"
@@ -90,9 +87,6 @@ def key_map(model: nn.Module) -> dict[str, str]:
         for ours, theirs in proj.items():
             m[f"{d}.self_attention.{ours}.weight"] = f"{t}.0.SelfAttention.{theirs}.weight"
             m[f"{d}.cross_attention.{ours}.weight"] = f"{t}.1.EncDecAttention.{theirs}.weight"
-        m[f"{d}.self_attention.score_bias.relative_attention_bias.weight"] = m[
-            "decoder_bias.relative_attention_bias.weight"
-        ]
         m[f"{d}.self_attn_norm.weight"] = f"{t}.0.layer_norm.weight"
         m[f"{d}.cross_attn_norm.weight"] = f"{t}.1.layer_norm.weight"
         for ours, theirs in ff.items():

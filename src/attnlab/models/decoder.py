@@ -5,34 +5,38 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` slots so far (cached + new)
 
 The config names the components; :func:`build_decoder_layer` turns them into a
 :class:`~attnlab.modules.decoder_layer.DecoderLayer` with a
-:class:`~attnlab.modules.attention.MultiHeadAttention` that holds the position
-component (a shared :class:`RotaryEmbedding` or :class:`ALiBi`).
+:class:`~attnlab.modules.attention.MultiHeadAttention` that holds the shared
+:class:`~attnlab.modules.positions.RotaryEmbedding` (RoPE models).
 
-Positions and masks follow transformers' ``generate``: with an ``attention_mask`` of a
-left-padded batch, each row's positions start at 0 at its first real token
-(``cumsum(mask) - 1``), and masks compare slots (see :mod:`attnlab.cache.kv_cache`).
+One path: every forward describes its attention as a pattern evaluated on slots,
+``causal() & sliding_window(W - 1) & padding(attention_mask)``, with ALiBi as a score
+modifier, and passes the queries' and keys' slots (``q_positions``, ``k_positions``,
+the latter from the cache's ``key_slots``); the backend decides what to materialise.
+Positions of a left-padded batch follow transformers' ``generate``: each row starts at
+0 at its first real token (``cumsum(mask) - 1``).
+
+:meth:`DecoderLM.decode_step` is the same forward without the entry checks, with the
+slot as an int or a tensor: ``generate`` runs it eagerly, or compiles it over a
+:class:`~attnlab.cache.StaticKVCache` (fixed shapes, no host syncs, no graph breaks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import (
-    DynamicKVCache,
-    KVCache,
-    ModelCache,
-    SlidingWindowKVCache,
-    StaticKVCache,
-)
+from attnlab.backends.registry import AttentionCall, choose_call
+from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
+from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
 from attnlab.functional.losses import causal_lm_loss
-from attnlab.functional.masks import MaskPattern, causal, sliding_window
+from attnlab.functional.masks import MaskPattern, causal, padding, sliding_window
+from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
-from attnlab.functional.slot_masks import positions_from_mask, slot_mask
+from attnlab.functional.score_mods import alibi
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MoEConfig
@@ -43,9 +47,11 @@ from attnlab.modules.experts import Experts, Router
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.moe import MoEBlock
 from attnlab.modules.norms import RMSNorm
-from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
-from attnlab.modules.rotary import RotaryEmbedding
-from attnlab.modules.score_bias import ALiBi
+from attnlab.modules.positions import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+)
 
 __all__ = ["DecoderLM", "build_decoder_layer", "build_feed_forward", "build_moe", "make_norm"]
 
@@ -126,7 +132,6 @@ def build_decoder_layer(
     *,
     layer_index: int = 0,
     rotary: nn.Module | None = None,
-    score_bias: nn.Module | None = None,
     backend: str = "auto",
 ) -> DecoderLayer:
     """Decoder layer ``layer_index`` as ``config.layer_specs`` describes it (its mixer from
@@ -136,7 +141,7 @@ def build_decoder_layer(
     mixer = build_mixer(
         spec.mixer,
         config,
-        MixerParts(layer_index=layer_index, rotary=rotary, score_bias=score_bias, backend=backend),
+        MixerParts(layer_index=layer_index, rotary=rotary, backend=backend),
     )
     ff = build_feed_forward(config, spec)
     return DecoderLayer(
@@ -167,6 +172,7 @@ class DecoderLM(nn.Module):
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
         self.config = config
+        self.backend = backend
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.embed_positions: nn.Module | None = None
@@ -182,7 +188,7 @@ class DecoderLM(nn.Module):
             make_norm(config.norm, d, config.norm_eps) if config.embedding_norm else None
         )
         self.rotary: RotaryEmbedding | None = None
-        self.alibi: ALiBi | None = None
+        self.alibi_slopes: Tensor | None = None  # ALiBi (Press et al., 2022): a score modifier
         if config.position_embedding == "rope":
             assert config.head_dim is not None
             self.rotary = RotaryEmbedding(
@@ -193,11 +199,9 @@ class DecoderLM(nn.Module):
                 convention="interleaved" if config.rope_convention == "interleaved" else "half",
             )
         elif config.position_embedding == "alibi":
-            self.alibi = ALiBi(num_heads=config.num_attention_heads)
+            self.alibi_slopes = alibi_slopes(config.num_attention_heads)
         self.layers = nn.ModuleList(
-            build_decoder_layer(
-                config, layer_index=i, rotary=self.rotary, score_bias=self.alibi, backend=backend
-            )
+            build_decoder_layer(config, layer_index=i, rotary=self.rotary, backend=backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = make_norm(config.norm, d, config.norm_eps)
@@ -215,17 +219,44 @@ class DecoderLM(nn.Module):
         """The LM head's ``[V, D]`` matrix (the token embeddings when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_cache(self, *, kind: CacheKind = "dynamic", max_length: int = 0) -> ModelCache:
+    def new_cache(
+        self,
+        *,
+        kind: CacheKind = "dynamic",
+        max_length: int = 0,
+        batch_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> ModelCache:
         """Empty caches for every layer.
 
         Args:
             kind: ``"dynamic"`` (growing; a rolling window cache for sliding-window
-                models) or ``"static"`` (preallocated, static shapes).
+                models) or ``"static"`` (preallocated, static shapes: the compiled
+                decode step's cache).
             max_length: slots to preallocate (required for ``"static"``).
+            batch_size: rows; with ``"static"``, the buffers are allocated now.
+            dtype: the static buffers' dtype (default: the model's).
+            device: the static buffers' device (default: the model's).
+
+        Raises:
+            ValueError: an unknown kind, or ``"static"`` without a positive ``max_length``.
         """
         window = self.config.sliding_window
         if kind == "static":
-            return ModelCache.build(len(self.layers), lambda: StaticKVCache(max_length=max_length))
+            weight = self.embed_tokens.weight
+            heads, dim = self.config.num_key_value_heads, self.config.head_dim
+            return ModelCache.build(
+                len(self.layers),
+                lambda: StaticKVCache(
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    num_kv_heads=heads,
+                    head_dim=dim,
+                    dtype=weight.dtype if dtype is None else dtype,
+                    device=weight.device if device is None else device,
+                ),
+            )
         if kind != "dynamic":
             raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
         if window is not None:
@@ -279,86 +310,44 @@ class DecoderLM(nn.Module):
         """
         x = self._embed_tokens(input_ids, inputs_embeds)  # [B, L, D]
         b, n = x.shape[:2]
-        pattern = attention_mask if isinstance(attention_mask, MaskPattern) else None
-        if pattern is not None and (past_key_values is not None or use_cache):
+        extra = attention_mask if isinstance(attention_mask, MaskPattern) else None
+        if extra is not None and (past_key_values is not None or use_cache):
             raise ValueError("a pattern attention_mask is for uncached forwards (no cache)")
-        pad_mask = None if isinstance(attention_mask, MaskPattern) else attention_mask
         cache = past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
-        total = start + n
-        mask = self._check_mask(pad_mask, b, total)
-        full_pos = positions_from_mask(mask) if mask is not None else None  # [B, T]
-        positions = self._positions(position_ids, full_pos, b, start, n, x.device)
-        if self.embed_positions is not None:
-            x = x + self.embed_positions(positions)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        x = self.dropout(x)
-
-        self_mask, is_causal, k_slots = self._self_mask(cache, mask, start, n, x.device)
-        attn_mask: Tensor | MaskPattern | None = self_mask
-        if pattern is not None:
-            window = self.config.sliding_window
-            combined = causal() & pattern
-            attn_mask = combined & sliding_window(window - 1) if window is not None else combined
-            is_causal = False
-        key_positions = None
-        if self.alibi is not None:
-            slots = k_slots if k_slots is not None else torch.arange(total, device=x.device)
-            key_positions = (
-                full_pos[:, slots.clamp(0, total - 1)] if full_pos is not None else slots
-            )
-        hidden: list[Tensor] = [x] if output_hidden_states else []
-        attentions: list[Tensor] = []
-        router_logits: list[Tensor] = []
-        layer_caches: Iterator[KVCache | None] = (
-            iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
+        pad_mask = None if isinstance(attention_mask, MaskPattern) else attention_mask
+        mask = self._check_mask(pad_mask, b, start + n)
+        if position_ids is not None:
+            position_ids = self._check_position_ids(position_ids, b, n)
+        elif mask is not None:
+            position_ids = positions_from_mask(mask)[:, start:]  # [B, L]
+        logits, hidden, attentions, routers = self._run(
+            x,
+            start=start,
+            mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            logits_to_keep=logits_to_keep,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            extra=extra,
         )
-        ckpt = checkpointing(self, cached=cache is not None)
-        for layer, layer_cache in zip(self.layers, layer_caches):
-            x, w, _, r = call_layer(
-                layer,
-                ckpt,
-                x,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                positions=positions,
-                key_positions=key_positions,
-                cache=layer_cache,
-                cache_start=start,
-                need_weights=output_attentions,
-            )
-            if output_attentions:
-                assert w is not None
-                attentions.append(w)
-            if output_hidden_states:
-                hidden.append(x)
-            if output_router_logits and r is not None:
-                router_logits.append(r)
-        x = self.norm(x)
-        if output_hidden_states:
-            hidden[-1] = x
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
         aux_loss = None
-        if output_router_logits and router_logits:
+        if output_router_logits and routers:
             # a pattern (packed rows) has no padding to leave out of the balance
-            pad = attention_mask if isinstance(attention_mask, Tensor) else None
-            aux_loss = self._aux_loss(router_logits, pad, b, n)
+            aux_loss = self._aux_loss(list(routers), pad_mask, b, n)
         return CausalLMOutput(
             logits=logits,
             loss=causal_lm_loss(logits, labels) if labels is not None else None,
             past_key_values=cache if (use_cache or past_key_values is not None) else None,
-            hidden_states=tuple(hidden) if output_hidden_states else None,
-            attentions=tuple(attentions) if output_attentions else None,
-            router_logits=tuple(router_logits) if output_router_logits else None,
+            hidden_states=hidden,
+            attentions=attentions,
+            router_logits=routers,
             aux_loss=aux_loss,
         )
-
-    # ------------------------------------------------------------------ pieces
 
     def router_loss(
         self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None = None
@@ -388,6 +377,220 @@ class DecoderLM(nn.Module):
         assert moe is not None
         mask = attention_mask[:, -n:] if attention_mask is not None else None  # [B, L]
         return load_balancing_loss(router_logits, moe.num_experts, moe.top_k, mask)
+
+    def decode_step(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: ModelCache,
+        start: Start,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        backend: str | None = None,
+    ) -> Tensor:
+        """The forward of one decoding step, trusted: logits ``[B, L, V]`` of the last token.
+
+        ``generate`` calls it after checking its own inputs once; it runs eagerly, or
+        compiled over a :class:`~attnlab.cache.StaticKVCache` with ``start`` a 0-d long
+        tensor (fixed shapes, no host sync, no data-dependent Python branch: the
+        compiled graph is the same for every step).
+
+        Args:
+            input_ids: ``[B, L]`` new tokens (ids in range).
+            cache: the model's caches; the new keys go to slots ``start..start+L-1``.
+            start: slot of the first new token (int, or a 0-d long tensor).
+            position_ids: ``[B, L]`` or ``[1, L]`` positions (default: the slots).
+            attention_mask: ``[B, T]`` 1/0 over every slot the keys may hold (``T``
+                at least ``start + L``), or None when no row is padded.
+            backend: the attention backend, resolved beforehand (:meth:`decode_backend`;
+                a compiled step cannot consult the registry's context); default: ask the
+                registry once for this forward.
+        """
+        x = self.embed_tokens(input_ids)  # [B, L, D]
+        logits, _, _, _ = self._run(
+            x,
+            start=start,
+            mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            logits_to_keep=1,
+            output_attentions=False,
+            output_hidden_states=False,
+            backend=backend,
+        )
+        return logits
+
+    def decode_backend(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: ModelCache,
+        start: Start,
+        attention_mask: Tensor | None = None,
+    ) -> str:
+        """The backend the registry picks for :meth:`decode_step` with these arguments."""
+        n = input_ids.shape[1]
+        d = self.config.hidden_size
+        x = self.output_weight.new_empty((input_ids.shape[0], n, d))  # shape and dtype only
+        first = cache.layers[0] if cache.layers else None
+        assert first is None or isinstance(first, KVCache)
+        q_slots = start + torch.arange(n, device=x.device)[None]
+        pattern, is_causal, _, k_pos = self._pattern(first, attention_mask, start, n, q_slots)
+        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False))
+
+    def _backend_for(self, call: AttentionCall) -> str:
+        """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
+        return choose_call(call, self.backend).chosen
+
+    def _run(
+        self,
+        x: Tensor,
+        *,
+        start: Start,
+        mask: Tensor | None,
+        position_ids: Tensor | None,
+        cache: ModelCache | None,
+        logits_to_keep: int,
+        output_attentions: bool,
+        output_hidden_states: bool,
+        output_router_logits: bool = False,
+        extra: MaskPattern | None = None,
+        backend: str | None = None,
+    ) -> tuple[
+        Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None
+    ]:
+        """The one forward, after validation: ``(logits, hidden states, attentions, router
+        logits)``; ``extra`` is a user pattern combined with the model's own (no cache)."""
+        n = x.shape[1]
+        device = x.device
+        q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
+        positions = q_slots if position_ids is None else position_ids
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        if self.training and self.config.hidden_dropout > 0:
+            x = self.dropout(x)
+        first = cache.layers[0] if cache is not None and cache.layers else None
+        if first is not None and not isinstance(first, KVCache):
+            raise TypeError(f"a decoder layer needs a KVCache, got {type(first).__name__}")
+        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
+        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+        call = self._attention_call(x, pattern, is_causal, s, output_attentions)
+        backend = self._backend_for(call) if backend is None else backend  # once per forward
+        hidden: list[Tensor] = [x] if output_hidden_states else []
+        attentions: list[Tensor] = []
+        router_logits: list[Tensor] = []
+        layer_caches: Iterator[LayerCache | None] = (
+            iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
+        )
+        ckpt = checkpointing(self, cached=cache is not None)
+        for layer, layer_cache in zip(self.layers, layer_caches):
+            x, w, _, r = call_layer(
+                layer,
+                ckpt,
+                x,
+                attn_mask=pattern,
+                is_causal=is_causal,
+                positions=positions,
+                q_positions=q_pos,
+                k_positions=k_pos,
+                cache=cast(KVCache | None, layer_cache),
+                cache_start=start,
+                call=call,
+                backend=backend,
+                need_weights=output_attentions,
+            )
+            if output_attentions:
+                assert w is not None
+                attentions.append(w)
+            if output_hidden_states:
+                hidden.append(x)
+            if output_router_logits and r is not None:
+                router_logits.append(r)
+        x = self.norm(x)
+        if output_hidden_states:
+            hidden[-1] = x
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
+        return (
+            logits,
+            tuple(hidden) if output_hidden_states else None,
+            tuple(attentions) if output_attentions else None,
+            tuple(router_logits) if output_router_logits else None,
+        )
+
+    def _pattern(
+        self,
+        first: KVCache | None,
+        mask: Tensor | None,
+        start: Start,
+        n: int,
+        q_slots: Tensor,
+        extra: MaskPattern | None = None,
+    ) -> tuple[MaskPattern | None, bool, Tensor | None, Tensor | None]:
+        """``(pattern, is_causal, q slots, k slots)`` shared by every layer of one forward.
+
+        The pattern is ``causal() & sliding_window(W - 1) & padding(mask)`` with ALiBi as
+        a score modifier, evaluated on slots (and ``& extra``, a user's pattern such as
+        ``document(ids)``, when given). Two shapes need no pattern at all: a
+        prompt with no cache, padding, window or bias (torch's causal kernel), and one
+        new token against a contiguous cache of every earlier slot (it sees them all).
+        """
+        window = self.config.sliding_window
+        plain = mask is None and window is None and self.alibi_slopes is None and extra is None
+        contiguous = first is None or isinstance(first, DynamicKVCache)
+        if plain and contiguous and isinstance(start, int):
+            if start == 0:
+                return None, n > 1, None, None
+            if n == 1:
+                return None, False, None, None
+        if first is not None:
+            k_slots = first.key_slots(start, n, q_slots.device)  # [1, S]
+        else:
+            k_slots = torch.arange(q_slots.shape[-1] + int(start), device=q_slots.device)[None]
+        pattern: MaskPattern = causal() if window is None else sliding_window(window - 1)
+        if mask is not None:
+            pattern = pattern & padding(mask)
+        if extra is not None:
+            pattern = pattern & extra
+        if self.alibi_slopes is not None:
+            pattern = pattern.with_scores(alibi(self.alibi_slopes))
+        return pattern, False, q_slots, k_slots
+
+    def _attention_call(
+        self,
+        x: Tensor,
+        pattern: MaskPattern | None,
+        is_causal: bool,
+        s: int,
+        need_weights: bool,
+    ) -> AttentionCall:
+        """The one :class:`AttentionCall` every self-attention layer of this forward shares."""
+        c = self.config
+        assert c.head_dim is not None and c.num_key_value_heads is not None
+        b, n = x.shape[:2]
+        training = self.training
+        return AttentionCall(
+            query_shape=(b, c.num_attention_heads, n, c.head_dim),
+            key_shape=(b, c.num_key_value_heads, s, c.head_dim),
+            value_shape=(b, c.num_key_value_heads, s, c.head_dim),
+            dtype=x.dtype,
+            device=x.device,
+            mask="none" if pattern is None else "pattern",
+            pattern=pattern,
+            is_causal=is_causal,
+            dropout_p=c.attention_dropout if training else 0.0,
+            enable_gqa=c.num_key_value_heads != c.num_attention_heads,
+            needs_grad=torch.is_grad_enabled()
+            and (x.requires_grad or self.output_weight.requires_grad),
+            return_weights=need_weights,
+            positions=pattern is not None,
+        )
+
+    # ------------------------------------------------------------------ pieces
 
     def _embed_tokens(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
         if (input_ids is None) == (inputs_embeds is None):
@@ -426,50 +629,14 @@ class DecoderLM(nn.Module):
         return None if bool(attention_mask.bool().all()) else attention_mask
 
     @staticmethod
-    def _positions(
-        position_ids: Tensor | None,
-        full_pos: Tensor | None,
-        b: int,
-        start: int,
-        n: int,
-        device: torch.device,
-    ) -> Tensor:
-        if position_ids is not None:
-            check_tensor("position_ids", position_ids)
-            pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
-            if pos.shape[-1] != n or pos.shape[0] not in (1, b):
-                raise ValueError(
-                    f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
-                )
-            return pos
-        if full_pos is not None:
-            return full_pos[:, start:]  # [B, L]
-        return torch.arange(start, start + n, device=device)[None]  # [1, L]
-
-    def _self_mask(
-        self,
-        cache: ModelCache | None,
-        mask: Tensor | None,
-        start: int,
-        n: int,
-        device: torch.device,
-    ) -> tuple[Tensor | None, bool, Tensor | None]:
-        """``(attn_mask, is_causal, key slots or None)`` shared by all layers."""
-        window = self.config.sliding_window
-        first: KVCache | None = cache.layers[0] if cache is not None and cache.layers else None
-        contiguous = first is None or isinstance(first, DynamicKVCache)
-        if mask is None and window is None and contiguous:
-            if start == 0:
-                return None, n > 1, None
-            if n == 1:
-                return None, False, None
-        k_slots = (
-            first.key_slots(start, n, device)
-            if first is not None
-            else torch.arange(start + n, device=device)
-        )
-        q_slots = torch.arange(start, start + n, device=device)
-        return slot_mask(q_slots, k_slots, attention_mask=mask, window=window), False, k_slots
+    def _check_position_ids(position_ids: Tensor, b: int, n: int) -> Tensor:
+        check_tensor("position_ids", position_ids)
+        pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+        if pos.shape[-1] != n or pos.shape[0] not in (1, b):
+            raise ValueError(
+                f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
+            )
+        return pos
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
         """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""

@@ -23,7 +23,7 @@ from attnlab.modules.embeddings import Embeddings
 from attnlab.modules.encoder_layer import EncoderLayer
 from attnlab.modules.longformer_attention import LongformerSelfAttention
 from attnlab.modules.mlp import FeedForward
-from attnlab.modules.rotary import RotaryEmbedding
+from attnlab.modules.positions import RotaryEmbedding
 
 if TYPE_CHECKING:
     from attnlab.models.embedding import EncodeReport, SentenceSettings

@@ -16,7 +16,7 @@ from attnlab.functional._checks import check_positive_int
 from attnlab.functional.routing import ROUTERS
 from attnlab.modules.activations import activation_names
 
-__all__ = ["FFN_KINDS", "LayerSpec", "MoEConfig"]
+__all__ = ["FFN_KINDS", "LayerSpec", "MambaLayerConfig", "MoEConfig"]
 
 FFN_KINDS = ("dense", "moe", "none")
 EXPERT_MLPS = ("gated", "standard")
@@ -118,6 +118,41 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MambaLayerConfig:
+    """A Mamba (S6) mixer in a decoder layer (Gu & Dao, 2023; Jamba, Lieber et al., 2024).
+
+    Attributes:
+        state_size: ``N``.
+        conv_kernel: width of the causal depthwise convolution.
+        expand: inner width ``E = expand * hidden_size``.
+        dt_rank: rank of the step-size projection; None: ``ceil(hidden_size / 16)``.
+        conv_bias: a bias in the convolution.
+        proj_bias: biases in the input/output projections.
+        inner_norms: RMSNorm on the step-size input, ``B`` and ``C`` (Jamba's mixer).
+        chunk_size: tokens per chunk of the chunked scan.
+    """
+
+    state_size: int = 16
+    conv_kernel: int = 4
+    expand: int = 2
+    dt_rank: int | None = None
+    conv_bias: bool = True
+    proj_bias: bool = False
+    inner_norms: bool = False
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("state_size", "conv_kernel", "expand", "chunk_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.dt_rank is not None:
+            check_positive_int("dt_rank", self.dt_rank)
+
+    def rank(self, hidden_size: int) -> int:
+        """The step-size rank for a model of width ``hidden_size``."""
+        return self.dt_rank if self.dt_rank is not None else -(-hidden_size // 16)
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: its sequence mixer and its feed-forward.
 
@@ -127,15 +162,29 @@ class LayerSpec:
         ffn: ``"dense"`` (the config's ``mlp``/``intermediate_size``), ``"moe"`` (with
             ``moe``) or ``"none"`` (a mixer-only layer, as in Mamba).
         moe: the mixture of experts when ``ffn == "moe"``.
+        mamba: the Mamba mixer's settings when ``mixer == "mamba"`` (None: the defaults).
     """
 
     mixer: str = "attention"
     ffn: str = "dense"
     moe: MoEConfig | None = field(default=None)
+    mamba: MambaLayerConfig | None = field(default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.mamba, dict):
+            object.__setattr__(self, "mamba", MambaLayerConfig(**self.mamba))
+        if self.mamba is not None:
+            if not isinstance(self.mamba, MambaLayerConfig):
+                raise TypeError(
+                    f"mamba must be a MambaLayerConfig or None, got {type(self.mamba).__name__}"
+                )
+            if self.mixer != "mamba":
+                raise ValueError(
+                    f"mamba=MambaLayerConfig(...) configures a mixer='mamba' layer, got "
+                    f"mixer={self.mixer!r}"
+                )
         if not isinstance(self.mixer, str):
             raise TypeError(f"mixer must be a mixer name (str), got {type(self.mixer).__name__}")
         if self.ffn not in FFN_KINDS:

@@ -5,9 +5,10 @@ mapping, so a new kind (Mamba, Mamba-2, RWKV, retention) is added by registering
 here, without a branch in the decoder. A mixer module is called like
 :class:`~attnlab.modules.attention.MultiHeadAttention` inside
 :class:`~attnlab.modules.decoder_layer.DecoderLayer` (``mixer(h, attn_mask=...,
-is_causal=..., positions=..., key_positions=..., cache=..., cache_start=...,
-need_weights=...)``) and returns ``(output [B, L, D], weights or None)``; mixers that
-are not attention ignore the attention-only keywords.
+is_causal=..., positions=..., q_positions=..., k_positions=..., cache=...,
+cache_start=..., call=..., backend=..., need_weights=...)``) and returns ``(output
+[B, L, D], weights or None)``; mixers that are not attention ignore the attention-only
+keywords.
 """
 
 from __future__ import annotations
@@ -16,15 +17,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from torch import Tensor, nn
 
+from attnlab.cache.recurrent import MambaState, RecurrentState
+from attnlab.models.layout import MambaLayerConfig
 from attnlab.modules.attention import MultiHeadAttention
+from attnlab.modules.mamba import MambaMixer
 from attnlab.modules.norms import RMSNorm
 
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
 
-__all__ = ["Mixer", "MixerParts", "build_mixer", "get_mixer", "mixer_names", "register_mixer"]
+__all__ = [
+    "Mixer",
+    "MixerParts",
+    "StateMixer",
+    "build_mixer",
+    "get_mixer",
+    "mixer_names",
+    "register_mixer",
+]
 
 
 @dataclass(frozen=True)
@@ -34,13 +46,11 @@ class MixerParts:
     Attributes:
         layer_index: the layer's index in the stack.
         rotary: the shared rotary embedding, or None.
-        score_bias: the shared score bias (ALiBi), or None.
         backend: the attention backend name.
     """
 
     layer_index: int
     rotary: nn.Module | None = None
-    score_bias: nn.Module | None = None
     backend: str = "auto"
 
 
@@ -103,10 +113,82 @@ def _attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
         dropout=config.attention_dropout,
         backend=parts.backend,
         rotary=parts.rotary,
-        score_bias=parts.score_bias,
         q_norm=q_norm,
         k_norm=k_norm,
     )
 
 
 register_mixer(Mixer(name="attention", build=_attention))
+
+
+class StateMixer(nn.Module):
+    """A recurrent mixer (``mixer(x, mask=, state=)``) in an attention mixer's seat.
+
+    The decoder layer calls every mixer with the attention keywords; this one keeps
+    ``cache`` (the layer's recurrent state) and ``token_mask`` (``[B, L]``, 1 token,
+    0 padding: padded steps leave the state unchanged) and ignores the rest. It returns
+    no attention weights.
+
+    Args:
+        mixer: the recurrent mixer, e.g. :class:`~attnlab.modules.mamba.MambaMixer`.
+    """
+
+    def __init__(self, *, mixer: nn.Module) -> None:
+        super().__init__()
+        self.mixer = mixer
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        cache: Any = None,
+        token_mask: Tensor | None = None,
+        **attention_keywords: Any,
+    ) -> tuple[Tensor, None]:
+        """``x [B, L, D] -> ([B, L, D], None)``; continues from and updates ``cache``.
+
+        Raises:
+            TypeError: ``cache`` is not a recurrent state (e.g. a KV cache).
+        """
+        if cache is not None and not isinstance(cache, RecurrentState):
+            raise TypeError(
+                f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
+                f"{type(cache).__name__}; build the cache with the model's new_cache()"
+            )
+        out: Tensor = self.mixer(x, mask=token_mask, state=cache)
+        return out, None
+
+
+def _mamba_settings(config: DecoderConfig, layer_index: int) -> MambaLayerConfig:
+    spec = config.layer_specs[layer_index].mamba
+    return spec if spec is not None else MambaLayerConfig()
+
+
+def _mamba(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    m = _mamba_settings(config, parts.layer_index)
+    d = config.hidden_size
+    rank = m.rank(d)
+    norms: dict[str, nn.Module | None] = {"dt_norm": None, "b_norm": None, "c_norm": None}
+    if m.inner_norms:
+        norms = {
+            "dt_norm": RMSNorm(rank, eps=config.norm_eps),
+            "b_norm": RMSNorm(m.state_size, eps=config.norm_eps),
+            "c_norm": RMSNorm(m.state_size, eps=config.norm_eps),
+        }
+    mixer = MambaMixer(
+        hidden_size=d,
+        intermediate_size=m.expand * d,
+        state_size=m.state_size,
+        conv_kernel=m.conv_kernel,
+        dt_rank=rank,
+        conv_bias=m.conv_bias,
+        bias=m.proj_bias,
+        chunk_size=m.chunk_size,
+        **norms,
+    )
+    return StateMixer(mixer=mixer)
+
+
+register_mixer(
+    Mixer(name="mamba", build=_mamba, new_cache=lambda config, kind, max_length: MambaState())
+)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from attnlab.cache.kv_cache import ModelCache
 from attnlab.cache.recurrent import RecurrentState, RetentionState, RWKVState
 from attnlab.functional._checks import check_tensor
-from attnlab.functional.slot_masks import positions_from_mask
+from attnlab.functional.positions import positions_from_mask
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 from attnlab.modules.mamba import Mamba2Mixer, MambaMixer

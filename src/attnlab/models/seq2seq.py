@@ -6,8 +6,12 @@ Shape notation: ``B`` batch, ``S`` encoder length, ``L`` new decoder tokens,
 The encoder is a stack of :class:`~attnlab.modules.encoder_layer.EncoderLayer`; the
 decoder a stack of :class:`~attnlab.modules.decoder_layer.DecoderLayer` with causal
 self-attention and cross-attention to the encoder output. T5's relative position
-bias is one :class:`~attnlab.modules.score_bias.T5RelativePositionBias` per stack,
-shared as the ``score_bias`` component of that stack's self-attentions.
+bias is one :class:`~attnlab.modules.positions.T5RelativePositionBias` per stack; its
+score modifier rides on the stack's mask pattern (``padding(mask).with_scores(bias)``
+in the encoder, ``causal() & padding(mask)`` with decoder slots in the decoder), so no
+layer receives a dense ``[B, H, L, S]`` bias. Training backends that apply it tile by
+tile (``tiled``) return the table's gradient from their backward; ``reference`` and
+``sparse`` by autograd.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import DynamicKVCache, ModelCache
+from attnlab.cache.base import ModelCache
+from attnlab.cache.kv_cache import DynamicKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
 from attnlab.functional.losses import shift_right, token_loss
-from attnlab.functional.masks import padding_mask
-from attnlab.functional.slot_masks import slot_mask
+from attnlab.functional.masks import MaskPattern, causal, full, padding, padding_mask
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder import make_norm
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -32,8 +36,11 @@ from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.encoder_layer import EncoderLayer
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
-from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
-from attnlab.modules.score_bias import T5RelativePositionBias
+from attnlab.modules.positions import (
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEmbedding,
+    T5RelativePositionBias,
+)
 
 __all__ = ["Seq2SeqLM"]
 
@@ -72,7 +79,7 @@ class Seq2SeqLM(nn.Module):
             self.decoder_bias = self._relative_bias(bidirectional=False)
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(
-                attention=self._attention(score_bias=self.encoder_bias),
+                attention=self._attention(),
                 feed_forward=self._feed_forward(),
                 attn_norm=self._norm(),
                 ffn_norm=self._norm(),
@@ -84,8 +91,8 @@ class Seq2SeqLM(nn.Module):
         assert config.num_decoder_layers is not None
         self.decoder_layers = nn.ModuleList(
             DecoderLayer(
-                self_attention=self._attention(score_bias=self.decoder_bias),
-                cross_attention=self._attention(score_bias=None),
+                self_attention=self._attention(),
+                cross_attention=self._attention(),
                 feed_forward=self._feed_forward(),
                 self_attn_norm=self._norm(),
                 cross_attn_norm=self._norm(),
@@ -114,7 +121,7 @@ class Seq2SeqLM(nn.Module):
             bidirectional=bidirectional,
         )
 
-    def _attention(self, *, score_bias: nn.Module | None) -> MultiHeadAttention:
+    def _attention(self) -> MultiHeadAttention:
         c = self.config
         return MultiHeadAttention(
             embed_dim=c.d_model,
@@ -122,7 +129,6 @@ class Seq2SeqLM(nn.Module):
             head_dim=c.d_kv,
             bias=c.bias,
             backend=self.backend,
-            score_bias=score_bias,
             scale=c.attention_scale,
         )
 
@@ -170,7 +176,10 @@ class Seq2SeqLM(nn.Module):
         check_token_ids("input_ids", input_ids, self.config.vocab_size)
         s = input_ids.shape[-1]
         x = self._embed(input_ids, torch.arange(s, device=input_ids.device)[None])
-        mask = self._encoder_mask(attention_mask, input_ids.shape[0], s)
+        pad = self._key_padding(attention_mask, input_ids.shape[0], s)
+        mask: MaskPattern | None = pad
+        if self.encoder_bias is not None:
+            mask = (full() if pad is None else pad).with_scores(self.encoder_bias.score_mod())
         weights: list[Tensor] = []
         ckpt = checkpointing(self)
         for layer in self.encoder_layers:
@@ -183,12 +192,13 @@ class Seq2SeqLM(nn.Module):
         return x, weights
 
     @staticmethod
-    def _encoder_mask(attention_mask: Tensor | None, b: int, s: int) -> Tensor | None:
+    def _key_padding(attention_mask: Tensor | None, b: int, s: int) -> MaskPattern | None:
+        """``padding(attention_mask)`` over the ``s`` encoder keys, or None without padding."""
         if attention_mask is None:
             return None
         check_binary_mask("attention_mask", attention_mask, (b, s))
-        pad = padding_mask(attention_mask)  # [B, 1, 1, S]
-        return None if bool(pad.all()) else pad
+        keep = padding_mask(attention_mask)  # [B, 1, 1, S]
+        return None if bool(keep.all()) else padding(attention_mask)
 
     def forward(
         self,
@@ -246,7 +256,7 @@ class Seq2SeqLM(nn.Module):
                 f"batch sizes differ: decoder_input_ids has {b} rows, the encoder output "
                 f"{encoder_outputs.shape[0]}"
             )
-        enc_mask = self._encoder_mask(attention_mask, b, encoder_outputs.shape[1])
+        enc_mask = self._key_padding(attention_mask, b, encoder_outputs.shape[1])
         cache = past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
@@ -254,18 +264,15 @@ class Seq2SeqLM(nn.Module):
         device = decoder_input_ids.device
         positions = torch.arange(start, start + n, device=device)[None]  # [1, L]
         x = self._embed(decoder_input_ids, positions)
-        self_mask: Tensor | None = None
-        is_causal = False
-        if decoder_attention_mask is not None or (start > 0 and n > 1):
-            if decoder_attention_mask is not None:
-                check_binary_mask("decoder_attention_mask", decoder_attention_mask, (b, start + n))
-            self_mask = slot_mask(
-                positions[0],
-                torch.arange(start + n, device=device),
-                attention_mask=decoder_attention_mask,
-            )
-        else:
-            is_causal = start == 0 and n > 1
+        if decoder_attention_mask is not None:
+            check_binary_mask("decoder_attention_mask", decoder_attention_mask, (b, start + n))
+        # The decoder's slots are 0..T-1 whatever its cache holds: keys at arange(T).
+        pattern: MaskPattern = causal()
+        if decoder_attention_mask is not None:
+            pattern = pattern & padding(decoder_attention_mask)
+        if self.decoder_bias is not None:
+            pattern = pattern.with_scores(self.decoder_bias.score_mod())
+        k_slots = torch.arange(start + n, device=device)[None]  # [1, T]
         self_w: list[Tensor] = []
         cross_w: list[Tensor] = []
         layer_caches: Iterator[Any] = iter(cache.layers) if cache else iter([None] * n_layers(self))
@@ -280,9 +287,10 @@ class Seq2SeqLM(nn.Module):
                 layer,
                 ckpt,
                 x,
-                attn_mask=self_mask,
-                is_causal=is_causal,
+                attn_mask=pattern,
                 positions=positions,
+                q_positions=positions,
+                k_positions=k_slots,
                 cache=lc,
                 cache_start=start,
                 encoder_hidden_states=encoder_outputs,

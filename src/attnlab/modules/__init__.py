@@ -6,12 +6,14 @@ from attnlab.modules.embeddings import Embeddings
 from attnlab.modules.encoder_layer import EncoderLayer
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.norms import RMSNorm
-from attnlab.modules.position import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
-from attnlab.modules.rotary import RotaryEmbedding
-from attnlab.modules.score_bias import ALiBi, T5RelativePositionBias
+from attnlab.modules.positions import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+    T5RelativePositionBias,
+)
 
 __all__ = [
-    "ALiBi",
     "DecoderLayer",
     "Embeddings",
     "EncoderLayer",

@@ -14,14 +14,18 @@ Components, passed to the constructor, add the position schemes of decoders:
 
 * ``rotary``: a module ``(x [B, H, S, h_d], positions [B, S]) -> x`` applied to the
   queries and the new keys (RoPE, Su et al., 2021);
-* ``score_bias``: a module ``(q_positions [B, L], k_positions [B, S]) -> [B, H, L, S]``
-  whose float output is added to the scores (ALiBi, Press et al., 2022; T5's relative
-  bias, Raffel et al., 2020);
-* ``scale``: the score scale (T5 uses 1.0);
+* ``scale``: the score scale (T5 uses 1.0).
 
-and, per call, ``cache`` (a :class:`~attnlab.cache.KVCache` for self-attention, a
+Biases on the scores (ALiBi, T5's relative bias, soft-capping) are not components: they
+are score modifiers attached to the mask pattern (``pattern.with_scores(...)``), which
+every backend evaluates on the call's query/key positions (``q_positions``,
+``k_positions``; ``docs/contracts.md``, section 1), tile by tile where it can.
+
+Per call, ``cache`` (a :class:`~attnlab.cache.KVCache` for self-attention, a
 :class:`~attnlab.cache.CrossAttentionCache` for encoder-decoder attention) with the
-explicit slot ``cache_start`` of the first new token.
+explicit slot ``cache_start`` of the first new token. A model passes the
+:class:`~attnlab.backends.registry.AttentionCall` it built once per forward (``call``):
+the layer then takes the registry's trusted path and does not re-validate.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.backends import get as _get_backend
-from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
+from attnlab.backends.registry import AttentionCall, dispatch_trusted
+from attnlab.cache.base import CrossAttentionCache, KVCache, Start
 from attnlab.functional._checks import (
     check_positive_int,
     check_probability,
@@ -40,7 +45,7 @@ from attnlab.functional._checks import (
     check_tensor,
 )
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
-from attnlab.functional.masks import combine, padding_mask
+from attnlab.functional.masks import combine, padding, padding_mask
 
 __all__ = ["MultiHeadAttention"]
 
@@ -77,9 +82,7 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights (training only).
         backend: attention backend name, or ``"auto"``.
         rotary: position module applied to queries and keys (e.g.
-            :class:`~attnlab.modules.rotary.RotaryEmbedding`), or None.
-        score_bias: module returning a float bias added to the scores (e.g.
-            :class:`~attnlab.modules.score_bias.ALiBi`), or None.
+            :class:`~attnlab.modules.positions.RotaryEmbedding`), or None.
         scale: score scale; default ``1/sqrt(head_dim)``.
         q_norm: a norm applied to the whole query projection ``[.., H * E]`` before the
             heads are split (OLMoE's and OLMo 2's QK-norm), or None.
@@ -103,7 +106,6 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         backend: str = "auto",
         rotary: nn.Module | None = None,
-        score_bias: nn.Module | None = None,
         scale: float | None = None,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
@@ -138,7 +140,6 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         self.backend = backend
         self.rotary = rotary
-        self.score_bias = score_bias
         self.scale = scale
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
@@ -170,9 +171,12 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         need_weights: bool = False,
         positions: Tensor | None = None,
-        key_positions: Tensor | None = None,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
         cache: KVCache | CrossAttentionCache | None = None,
-        cache_start: int = 0,
+        cache_start: Start = 0,
+        call: AttentionCall | None = None,
+        backend: str | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -183,30 +187,67 @@ class MultiHeadAttention(nn.Module):
             attention_mask: key padding ``[B, S]`` of 1 (token) / 0 (padding), the
                 Hugging Face convention.
             attn_mask: bool (True = attend) or float (added) mask broadcasting to
-                ``[B, H, L, S]``, or a mask pattern.
+                ``[B, H, L, S]``, or a mask pattern (with its score modifiers).
             is_causal: causal self-attention (query ``i`` sees keys ``j <= i``).
             need_weights: also return the attention weights ``[B, H, L, S]``.
-            positions: ``[B, L]`` (or ``[L]``) position ids of the queries, for the
-                ``rotary`` and ``score_bias`` components; default
-                ``cache_start .. cache_start+L-1``.
-            key_positions: ``[B, S]`` (or ``[S]``) positions of all keys attended to
-                (cached ones included), for ``score_bias``; default ``0..S-1``.
+            positions: ``[B, L]`` (or ``[L]``) position ids of the queries for the
+                ``rotary`` component; default ``cache_start .. cache_start+L-1``.
+            q_positions: long ``[B or 1, L]`` slots of the queries, where the pattern
+                and score modifiers evaluate them (default ``arange(L)``).
+            k_positions: long ``[B or 1, S]`` slots of the keys attended to (cached
+                ones included; ``-1`` = empty), e.g. the cache's ``key_slots``.
             cache: a self-attention cache (the new keys/values are stored at slots
-                ``cache_start..`` and all cached ones are attended to; ``attn_mask`` must
-                then fit the keys the cache returns) or a cross-attention cache (filled
-                on the first call, then ``key``/``value`` are not needed).
-            cache_start: slot of the first query token in the cache.
+                ``cache_start..`` and all cached ones are attended to) or a
+                cross-attention cache (filled on the first call, then ``key``/``value``
+                are not needed).
+            cache_start: slot of the first query token in the cache (an int, or a long
+                tensor: a compiled step's position).
+            call: the call a model built once per forward; the trusted path (no
+                validation here).
+            backend: the backend the model resolved for ``call`` (default: the
+                module's ``backend``).
 
         Returns:
             ``(output [B, L, D], weights or None)``.
         """
-        check_tensor("query", query)
+        if call is None:
+            check_tensor("query", query)
         if isinstance(cache, CrossAttentionCache) and cache.filled:
             return self._attend_cached_cross(
-                query, cache, attn_mask=attn_mask, need_weights=need_weights
+                query, cache, attn_mask=attn_mask, need_weights=need_weights, call=call
             )
-        key = query if key is None else check_tensor("key", key)
-        value = key if value is None else check_tensor("value", value)
+        key = query if key is None else key
+        value = key if value is None else value
+        mask: AttnMask = attn_mask
+        if call is None:
+            self._check_inputs(query, key, value)
+            if attention_mask is not None:
+                mask = self._with_padding(attn_mask, attention_mask, key.shape[0], key.shape[1])
+        q_flat, k_flat = self.q_proj(query), self.k_proj(key)  # [b, L, H*h_d], [b, S, H_kv*h_d]
+        if self.q_norm is not None:
+            q_flat = self.q_norm(q_flat)
+        if self.k_norm is not None:
+            k_flat = self.k_norm(k_flat)
+        q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
+        k = self._split(k_flat, self.num_kv_heads)  # [b, H_kv, S, h_d]
+        v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        if self.rotary is not None:
+            if positions is None:
+                positions = cache_start + torch.arange(query.shape[1], device=query.device)
+            q = self.rotary(q, positions)
+            if key is query:  # self-attention: keys rotate at the queries' positions
+                k = self.rotary(k, positions)
+        if isinstance(cache, CrossAttentionCache):
+            cache.store(k, v)
+        elif cache is not None:
+            k, v = cache.update(k, v, start=cache_start)  # [b, H_kv, S_all, h_d]
+        return self._attend(
+            q, k, v, mask, is_causal, need_weights, q_positions, k_positions, call, backend
+        )
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        check_tensor("key", key)
+        check_tensor("value", value)
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
             raise ValueError(
                 "query, key and value must be (batch, seq_len, embed_dim), got shapes "
@@ -227,83 +268,70 @@ class MultiHeadAttention(nn.Module):
             )
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key length {key.shape[1]} != value length {value.shape[1]}")
-        b, s = key.shape[0], key.shape[1]
-        mask: AttnMask = attn_mask
-        if attention_mask is not None:
-            check_tensor("attention_mask", attention_mask)
-            if tuple(attention_mask.shape) != (b, s):
-                raise ValueError(
-                    f"attention_mask must be (batch, key_len) = {(b, s)}, got "
-                    f"{tuple(attention_mask.shape)}"
-                )
-            pad = padding_mask(attention_mask)  # [b, 1, 1, s]
-            if isinstance(attn_mask, Tensor) or attn_mask is None:
-                mask = combine(attn_mask, pad)
-            else:
-                mask = attn_mask.to_dense(query.shape[1], s, device=query.device)
-                mask = combine(mask, pad)
-
-        q_flat, k_flat = self.q_proj(query), self.k_proj(key)  # [b, L, H*h_d], [b, S, H_kv*h_d]
-        if self.q_norm is not None:
-            q_flat = self.q_norm(q_flat)
-        if self.k_norm is not None:
-            k_flat = self.k_norm(k_flat)
-        q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
-        k = self._split(k_flat, self.num_kv_heads)  # [b, H_kv, S, h_d]
-        v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
-        if (self.rotary is not None or self.score_bias is not None) and positions is None:
-            positions = torch.arange(cache_start, cache_start + query.shape[1], device=query.device)
-        if self.rotary is not None:
-            assert positions is not None
-            q = self.rotary(q, positions)
-            if key is query:  # self-attention: keys rotate at the queries' positions
-                k = self.rotary(k, positions)
-        if isinstance(cache, CrossAttentionCache):
-            cache.store(k, v)
-        elif cache is not None:
-            k, v = cache.update(k, v, start=cache_start)  # [b, H_kv, S_all, h_d]
-        if self.score_bias is not None:
-            assert positions is not None
-            if key_positions is None:
-                key_positions = torch.arange(k.shape[2], device=query.device)
-            mask = self._add_bias(mask, self.score_bias(positions, key_positions), is_causal)
-            is_causal = False
-        return self._attend(q, k, v, mask, is_causal, need_weights)
-
-    def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttnMask, is_causal: bool, need_weights: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        b, _, length, _ = q.shape
-        result = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-            backend=self.backend,
-            return_weights=need_weights,
-        )
-        out, weights = result if isinstance(result, tuple) else (result, None)
-        out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H*h_d]
-        return self.out_proj(out), weights
 
     @staticmethod
-    def _add_bias(mask: AttnMask, bias: Tensor, is_causal: bool) -> Tensor:
-        """Fold a float score bias ``[B, H, L, S]`` and a mask into one additive mask."""
-        length, s = bias.shape[-2], bias.shape[-1]
-        if mask is not None and not isinstance(mask, Tensor):
-            mask = mask.to_dense(length, s, device=bias.device)
-        if is_causal:
-            causal = torch.ones(length, s, dtype=torch.bool, device=bias.device).tril()
-            mask = causal if mask is None else combine(mask, causal)
-        if mask is None:
-            return bias
-        if mask.dtype == torch.bool:
-            return bias.masked_fill(~mask, float("-inf"))
-        return bias + mask
+    def _with_padding(attn_mask: AttnMask, attention_mask: Tensor, b: int, s: int) -> AttnMask:
+        """``attn_mask`` restricted to the real keys of ``attention_mask`` ``[B, S]``."""
+        check_tensor("attention_mask", attention_mask)
+        if tuple(attention_mask.shape) != (b, s):
+            raise ValueError(
+                f"attention_mask must be (batch, key_len) = {(b, s)}, got "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if isinstance(attn_mask, Tensor):  # a dense mask from the user stays dense
+            return combine(attn_mask, padding_mask(attention_mask))
+        pad = padding(attention_mask)
+        if attn_mask is None:
+            return pad
+        if attn_mask.score_mods:
+            return (attn_mask._unscored() & pad).with_scores(*attn_mask.score_mods)
+        return attn_mask & pad
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttnMask,
+        is_causal: bool,
+        need_weights: bool,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+        call: AttentionCall | None = None,
+        backend: str | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        b, _, length, _ = q.shape
+        dropout = self.dropout if self.training else 0.0
+        if call is None:
+            result = scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=is_causal,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+                backend=self.backend,
+                return_weights=need_weights,
+                q_positions=q_positions,
+                k_positions=k_positions,
+            )
+            out, weights = result if isinstance(result, tuple) else (result, None)
+        else:
+            out, weights = dispatch_trusted(
+                call,
+                q,
+                k,
+                v,
+                mask if isinstance(mask, Tensor) else None,
+                scale=self.scale,
+                backend=self.backend if backend is None else backend,
+                q_positions=q_positions,
+                k_positions=k_positions,
+            )
+        out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H*h_d]
+        return self.out_proj(out), weights
 
     def _attend_cached_cross(
         self,
@@ -312,22 +340,24 @@ class MultiHeadAttention(nn.Module):
         *,
         attn_mask: AttnMask,
         need_weights: bool,
+        call: AttentionCall | None,
     ) -> tuple[Tensor, Tensor | None]:
-        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"query must be (batch, seq_len, {self.embed_dim}), got {tuple(query.shape)}"
-            )
         assert cache.key is not None and cache.value is not None
-        if cache.key.shape[0] != query.shape[0]:
-            raise ValueError(
-                f"batch size {query.shape[0]} does not match the cross-attention cache's "
-                f"{cache.key.shape[0]}"
-            )
+        if call is None:
+            if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"query must be (batch, seq_len, {self.embed_dim}), got {tuple(query.shape)}"
+                )
+            if cache.key.shape[0] != query.shape[0]:
+                raise ValueError(
+                    f"batch size {query.shape[0]} does not match the cross-attention cache's "
+                    f"{cache.key.shape[0]}"
+                )
         q_flat = self.q_proj(query)  # [b, L, H*h_d]
         if self.q_norm is not None:
             q_flat = self.q_norm(q_flat)
         q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
-        return self._attend(q, cache.key, cache.value, attn_mask, False, need_weights)
+        return self._attend(q, cache.key, cache.value, attn_mask, False, need_weights, call=call)
 
     # ------------------------------------------------------------------ layouts
 

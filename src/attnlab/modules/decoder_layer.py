@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from attnlab.cache.kv_cache import CrossAttentionCache, KVCache
+from attnlab.backends.registry import AttentionCall
+from attnlab.cache.base import CrossAttentionCache, KVCache, Start
 from attnlab.functional.attention import AttnMask
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.encoder_layer import NormPosition
@@ -104,12 +105,16 @@ class DecoderLayer(nn.Module):
         attn_mask: AttnMask = None,
         is_causal: bool = False,
         positions: Tensor | None = None,
-        key_positions: Tensor | None = None,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
         cache: KVCache | None = None,
-        cache_start: int = 0,
+        cache_start: Start = 0,
+        call: AttentionCall | None = None,
+        backend: str | None = None,
         encoder_hidden_states: Tensor | None = None,
         encoder_mask: AttnMask = None,
         cross_cache: CrossAttentionCache | None = None,
+        cross_call: AttentionCall | None = None,
         need_weights: bool = False,
     ) -> DecoderLayerOutput:
         """``[B, L, D] -> (hidden [B, L, D], self weights, cross weights, router logits)``.
@@ -118,13 +123,18 @@ class DecoderLayer(nn.Module):
             x: the new tokens' hidden states.
             attn_mask: self-attention mask fitting the keys the cache returns.
             is_causal: use the backend's causal mask instead of ``attn_mask`` (no cache).
-            positions: query position ids for the position components.
-            key_positions: all keys' position ids (for score biases).
+            positions: query position ids for the position components (RoPE).
+            q_positions: ``[B or 1, L]`` slots of the new tokens (for the pattern and
+                score modifiers).
+            k_positions: ``[B or 1, S]`` slots of the keys the cache returns.
             cache: this layer's self-attention cache.
             cache_start: slot of the first new token.
+            call: the self-attention call the model built for this forward (trusted path).
+            backend: the backend resolved for ``call`` (default: the module's own).
             encoder_hidden_states: ``[B, S_enc, D]`` for cross-attention.
             encoder_mask: mask over the encoder keys (``[B, 1, 1, S_enc]`` bool or float).
             cross_cache: this layer's cross-attention cache.
+            cross_call: the cross-attention call the model built for this forward.
             need_weights: return the attention weights.
         """
 
@@ -134,10 +144,13 @@ class DecoderLayer(nn.Module):
                 attn_mask=attn_mask,
                 is_causal=is_causal,
                 positions=positions,
-                key_positions=key_positions,
+                q_positions=q_positions,
+                k_positions=k_positions,
                 cache=cache,
                 cache_start=cache_start,
                 need_weights=need_weights,
+                call=call,
+                backend=backend,
             )
             return out
 
@@ -157,6 +170,7 @@ class DecoderLayer(nn.Module):
                     attn_mask=encoder_mask,
                     cache=cross_cache,
                     need_weights=need_weights,
+                    call=cross_call,
                 )
                 return out
 

@@ -67,6 +67,10 @@ class MambaMixer(nn.Module):
         conv_bias: a bias in the convolution.
         bias: biases in the input/output projections.
         chunk_size: tokens per chunk of the chunked scan (prefill and training).
+        dt_norm: a norm applied to the step-size projection's input ``[B, L, R]``, or None.
+        b_norm: a norm applied to ``B [B, L, N]``, or None.
+        c_norm: a norm applied to ``C [B, L, N]``, or None. Jamba (Lieber et al., 2024)
+            puts an RMSNorm on each of the three; plain Mamba has none.
     """
 
     def __init__(
@@ -80,6 +84,9 @@ class MambaMixer(nn.Module):
         conv_bias: bool = True,
         bias: bool = False,
         chunk_size: int = 64,
+        dt_norm: nn.Module | None = None,
+        b_norm: nn.Module | None = None,
+        c_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         for name, v in (
@@ -107,6 +114,10 @@ class MambaMixer(nn.Module):
         self.out_proj = nn.Linear(e, hidden_size, bias=bias)
         with torch.no_grad():
             self.dt_proj.bias.copy_(_init_dt_bias(e, 1e-3, 0.1))
+        # transformers' names (JambaMambaMixer), so checkpoints map one to one
+        self.dt_layernorm = dt_norm
+        self.b_layernorm = b_norm
+        self.c_layernorm = c_norm
 
     def new_state(self) -> MambaState:
         return MambaState()
@@ -121,6 +132,12 @@ class MambaMixer(nn.Module):
         dt, Bm, Cm = torch.split(
             self.x_proj(xc), [self.dt_rank, self.state_size, self.state_size], -1
         )
+        if self.dt_layernorm is not None:
+            dt = self.dt_layernorm(dt)
+        if self.b_layernorm is not None:
+            Bm = self.b_layernorm(Bm)
+        if self.c_layernorm is not None:
+            Cm = self.c_layernorm(Cm)
         delta = dt @ self.dt_proj.weight.t()  # [B, L, E]; the bias goes in before softplus
         A = -torch.exp(self.A_log.to(x.dtype))
         init = state.ssm if state is not None else None

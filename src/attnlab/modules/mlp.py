@@ -48,7 +48,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, S, D] -> [B, S, D]``."""
-        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+        out = self.fc_out(self.act(self.fc_in(x)))
+        return self.dropout(out) if self.training and self.dropout.p > 0 else out
 
 
 class GatedFeedForward(nn.Module):
@@ -90,4 +91,5 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, S, D] -> [B, S, D]``."""
-        return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.dropout(out) if self.training and self.dropout.p > 0 else out

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab.cache.kv_cache import KVCache
+from attnlab.cache.base import KVCache, Start
 
 if TYPE_CHECKING:
     from attnlab.cache.paged.pool import PagedKVPool, SeqId, StepBatch
@@ -47,8 +47,8 @@ class PagedKVCache(KVCache):
         self.pool = pool
         self.layer = layer
 
-    def key_slots(self, start: int, num_new: int, device: torch.device | None = None) -> Tensor:
-        return torch.arange(start + num_new, device=device)
+    def key_slots(self, start: Start, num_new: int, device: torch.device | None = None) -> Tensor:
+        return torch.arange(int(start) + num_new, device=device)[None]  # [1, T]
 
     def _step(self, batch: int, start: int, num_new: int) -> StepBatch:
         step = self.pool.step
@@ -65,7 +65,8 @@ class PagedKVCache(KVCache):
             raise ValueError(f"the step starts at slot {step.start}, got start={start}")
         return step
 
-    def update(self, key: Tensor, value: Tensor, *, start: int) -> tuple[Tensor, Tensor]:
+    def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
+        start = int(start)  # the pool lays out its steps by int slots (host side)
         if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
             raise ValueError(
                 "key and value must be [batch, kv_heads, new_tokens, head_dim] with equal "
