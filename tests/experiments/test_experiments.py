@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnlab.experiments import EXPERIMENTS, run_experiment
+from attnlab.experiments._common import write_result
 from attnlab.experiments.gqa import mean_pool_kv
 from attnlab.experiments.induction import RepeatedTokens, prefix_matching_scores
 from attnlab.experiments.recall import MQAR
@@ -113,3 +114,21 @@ def test_cli_experiment_rejects_unknown_names_and_bad_out(tmp_path: Path) -> Non
         check=False,
     )
     assert out.returncode != 0 and "Traceback" not in out.stderr and "--out" in out.stderr
+
+
+def test_recall_runs_split_by_architecture_combine_into_one_table(tmp_path: Path) -> None:
+    from attnlab.experiments import recall
+
+    for kind in ("attention", "mamba"):
+        r = recall.run(smoke=True, out=tmp_path / kind, kinds=(kind,), progress=False)
+        assert [row["model"] for row in r.rows] == [kind]
+        write_result(r, tmp_path / kind)
+    assert "nothing to compare" in r.verdict and r.agrees is None
+    both = recall.combine([tmp_path / "mamba", tmp_path / "attention"], tmp_path / "all")
+    assert [row["model"] for row in both.rows] == ["attention", "mamba"]
+    assert both.agrees is not None and "attention reaches" in both.verdict
+    data = _strict((tmp_path / "all" / "results.json").read_text())
+    assert data["settings"]["kinds"] == ["attention", "mamba"]
+    assert (tmp_path / "all" / "plot.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="kinds"):
+        recall.run(smoke=True, out=tmp_path / "x", kinds=("rnn",), progress=False)
