@@ -14,7 +14,8 @@
 # seconds, and the distillation figures): six files. With $DISTILL_TEACHER set (a
 # sentence-transformers folder, whose weights may be stored as model.fp16.safetensors to
 # travel light: they are widened back to float32 first), `attnlab distill` runs the
-# settings in $DISTILL_RUNS (one per line) one after the other beside the experiments.
+# settings in $DISTILL_RUNS (one per line) one after the other beside the experiments,
+# all within the one cap.
 # $EXPERIMENTS (space-separated) picks some of extrapolation, selective-copy, gqa and
 # induction; RECALL=0 leaves recall out. Used for the GPU runs recorded in
 # docs/experiments.md.
@@ -32,6 +33,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 py=${PYTHON:-python3}
 summary="$work/summary.txt"
+began=$(date +%s)
 
 {
     date -u
@@ -114,8 +116,10 @@ save_file({k: v.float() if v.is_floating_point() else v for k, v in w.items()}, 
         while read -r flags; do
             [ -z "$flags" ] && continue
             start=$(date +%s)
+            left=$((cap - (start - began)))  # the runs share one cap
+            if [ "$left" -lt 60 ]; then echo "distill $flags: skipped, ${left}s left"; continue; fi
             # shellcheck disable=SC2086 # flags are words on purpose
-            r=$(OMP_NUM_THREADS=2 timeout "$cap" "$py" -m attnlab.cli distill --teacher "$teacher" \
+            r=$(OMP_NUM_THREADS=2 timeout "$left" "$py" -m attnlab.cli distill --teacher "$teacher" \
                 --json $flags 2>>"$work/distill.log" | tr -d '\n ')
             echo "distill $flags ($(($(date +%s) - start)) s): ${r:-failed, see below}"
         done <<<"${DISTILL_RUNS:-}" >"$work/distill.status"
