@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["TRAITS", "BackendTraits"]
+__all__ = ["PAGED_COST", "TRAITS", "BackendTraits", "PagedCost"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class BackendTraits:
         score_tensors_live: score-sized tensors alive at once in an inference forward.
         backward_factor: backward attention matmuls as a multiple of the forward's.
         linear: kernelised linear attention (no score matrix at all; Katharopoulos et al., 2020).
+        reads_blocks: takes a paged cache's pools and block tables instead of a batch of
+            keys (PagedAttention, Kwon et al., 2023); chosen only for paged calls.
         dropout_score_tensors: score-sized tensors saved when attention dropout is on in
             training (None: as without dropout). torch's fused CPU kernels fall back to
             the math path with dropout, which saves the weights, the dropout mask (float
@@ -63,6 +65,7 @@ class BackendTraits:
     score_tensors_live: float = 0.0
     backward_factor: float = 2.5
     linear: bool = False
+    reads_blocks: bool = False
     dropout_score_tensors: float | None = None
     transient_score_tensors: float = 3.0
 
@@ -75,7 +78,15 @@ class BackendTraits:
     def registry_fields(self) -> dict[str, Any]:
         """The fields :class:`~attnlab.backends.registry.Backend` takes from this record."""
         d = asdict(self)
-        keys = ("name", "exact", "accepts_patterns", "accepts_positions", "priority")
+        keys: tuple[str, ...] = (
+            "name",
+            "exact",
+            "accepts_patterns",
+            "accepts_positions",
+            "priority",
+        )
+        if self.reads_blocks:
+            keys += ("reads_blocks",)
         return {k: d[k] for k in keys} | {"description": self.description}
 
 
@@ -145,3 +156,37 @@ TRAITS: dict[str, BackendTraits] = {
         linear=True,
     ),
 }
+# PagedAttention's block-table path (backends/paged.py): one fused
+# kernel call per group of rows of equal length over the blocks those rows hold.
+TRAITS["paged"] = BackendTraits(
+    name="paged",
+    accepts_patterns=True,
+    accepts_positions=True,
+    reads_blocks=True,
+    priority=15,
+    description="reads each row's keys/values through its block table (PagedAttention)",
+    refuses=("contiguous keys", "dropout", "weights", "dense masks"),
+    skips="causal",
+)
+
+
+@dataclass(frozen=True)
+class PagedCost:
+    """Measured constants of a paged step's key/value reads (CPU, float32).
+
+    Attributes:
+        gather_overhead_s: fixed cost of one gather of a step's keys/values from the pool.
+        gather_bytes_per_s: bytes per second an ``index_select`` of pool slots copies.
+        call_overhead_s: fixed cost of the ``paged`` backend's own work per call (the
+            keys' slots and the mask from the block table, host side).
+    """
+
+    gather_overhead_s: float
+    gather_bytes_per_s: float
+    call_overhead_s: float
+
+
+#: From ``python benchmarks/paged_attention.py`` (docs/benchmarks.md): an ``index_select``
+#: of pool slots copied 16 MiB in about 4 ms on one thread of the quiet machine (a ``sum``
+#: read 5.5 GB/s under load), and the ``paged`` backend's own host work is about 0.2 ms.
+PAGED_COST = PagedCost(gather_overhead_s=3e-5, gather_bytes_per_s=4e9, call_overhead_s=2e-4)

@@ -340,14 +340,26 @@ def test_tile_skipping_backends_count_whole_tiles() -> None:
     assert step.by_component["attention_scores"].matmul_flops == 2 * 12 * 12 * 64 * 1 * 301
 
 
-def test_auto_follows_the_calibrated_choice_and_use() -> None:
+def test_auto_is_the_registrys_choice() -> None:
+    """``auto`` in the cost model is what the registry chooses for the same call (one source)."""
     from attnlab.analysis.arch import preset
 
-    mistral = preset("mistral-7b")  # a 4096-key window
+    mistral = preset("mistral-7b")  # a 4096-key window, 32 heads on 8 key/value heads
     assert estimate(mistral, seq_len=512).backend == "sdpa"  # the window covers everything
-    assert estimate(mistral, seq_len=32768).backend == "tiled"  # most tiles are empty
-    r = estimate(mistral, seq_len=32768)
-    assert any("auto resolves to 'tiled'" in n for n in r.notes)
+    x = torch.zeros(1, 1, 1, 1)
+    for n in (512, 8192, 32768):
+        q, kv = x.expand(1, 32, n, 128), x.expand(1, 8, n, 128)  # no memory behind them
+        real = backends.explain(q, kv, kv, masks.sliding_window(4095), enable_gqa=True)
+        r = estimate(mistral, seq_len=n)
+        assert r.backend == real.chosen
+        assert any(f"auto resolves to {real.chosen!r}" in note for note in r.notes)
+    assert estimate(mistral, seq_len=32768).backend != "sdpa"  # most tiles are empty
+    training = estimate(mistral, seq_len=32768, mode="training").backend
+    q = x.expand(1, 32, 32768, 128).requires_grad_()
+    kv = x.expand(1, 8, 32768, 128)
+    assert (
+        training == backends.explain(q, kv, kv, masks.sliding_window(4095), enable_gqa=True).chosen
+    )
     with backends.use("reference"):
         assert estimate(mistral, seq_len=512).backend == "reference"
     assert estimate(mistral, seq_len=512, backend="sparse").backend == "sparse"

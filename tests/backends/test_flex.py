@@ -1,4 +1,8 @@
-"""The flex backend: one tiny compiled case (skipped where torch.compile cannot run)."""
+"""The flex backend: tiny compiled cases (skipped where torch.compile cannot run).
+
+Compiles take 10-20 s each on this project's CPU: the compiled tests keep to two or
+three compiles each.
+"""
 
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ def test_compiled_flex_equals_reference(
     with caplog.at_level(logging.WARNING, logger="attnlab.backends.flex"):
         scaled_dot_product_attention(q, k, v, pattern, enable_gqa=True, backend="flex")
     assert not caplog.records
-    assert flex_mod._compiled_keys
+    assert flex_mod._kernels
     _, w = scaled_dot_product_attention(
         q, k, v, pattern, enable_gqa=True, backend="flex", return_weights=True
     )
@@ -101,3 +105,68 @@ def test_compiled_flex_equals_reference(
         return_weights=True,
     )
     torch.testing.assert_close(w, ref_w, atol=1e-5, rtol=1e-4)
+
+
+def _needs_cxx() -> None:
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+
+
+def test_refuses_rather_than_running_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No fused kernel to be had: the check says why, auto passes flex over, a direct call raises."""
+    x = torch.randn(1, 2, 200, 8)
+    pattern = M.sliding_window(16)
+    assert "limit" not in explain(x, x, x, pattern).reasons["flex"]  # it can run here
+    monkeypatch.setattr(flex_mod, "MAX_FAMILIES", len(flex_mod._entries))
+    monkeypatch.setattr(flex_mod, "_block_masks", type(flex_mod._block_masks)())
+    new_family = M.sliding_window(17)  # a window this process has not compiled
+    why = explain(x, x, x, new_family).reasons["flex"]
+    assert "limit" in why and "every sequence length" in why
+    assert explain(x, x, x, new_family).chosen != "flex"
+    with pytest.raises(
+        ValueError, match="backend 'flex' .* cannot run this call: already compiled"
+    ):
+        scaled_dot_product_attention(x, x, x, new_family, backend="flex")
+    with pytest.raises(RuntimeError, match="cannot get a fused FlexAttention kernel"):
+        flex_mod.flex_attention(x, x, x, new_family)
+    assert not flex_mod._block_masks  # refused before any work
+    monkeypatch.setattr(flex_mod, "MAX_FAMILIES", 10**6)
+    with torch._dynamo.config.patch(disable=True):
+        assert "disabled" in explain(x, x, x, M.sliding_window(18)).reasons["flex"]
+
+
+@pytest.mark.slow
+def test_many_lengths_stay_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve distinct lengths: two compiles (one static, one dynamic), never a fallback.
+
+    With one static ``torch.compile`` object dynamo stops after 8 shapes and runs
+    FlexAttention unfused (the whole score matrix). Each call here checks its values
+    against the reference; the compile count says no length compiled on its own, and
+    ``fullgraph=True`` would have raised on a fallback.
+    """
+    _needs_cxx()
+    monkeypatch.setattr(flex_mod, "_broken", None)
+    pattern = M.sliding_window(23).with_scores(softcap(20.0))  # a family of its own
+    before = flex_mod.compiled_kernels()
+    checked_sound = False
+    for i, n in enumerate(range(130, 130 + 12 * 41, 41)):  # 12 lengths, 2 to 5 tiles
+        g = torch.Generator().manual_seed(i)
+        q, k, v = (torch.randn(1, 2, n, 8, generator=g) for _ in range(3))
+        out = scaled_dot_product_attention(q, k, v, pattern, is_causal=True, backend="flex")
+        ref = scaled_dot_product_attention(q, k, v, pattern, is_causal=True, backend="reference")
+        if not checked_sound and not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
+            if not _torch_flex_is_sound():
+                pytest.skip("torch's compiled CPU FlexAttention is wrong on this machine")
+            checked_sound = True
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert flex_mod.compiled_kernels() - before == 2
+    # every length is served now: auto no longer charges a compile for a new one
+    q = torch.randn(1, 2, 999, 8)
+    assert "not compiled" not in explain(q, q, q, pattern, is_causal=True).reasons["flex"]
+    # dynamo's recompile limit reached: a clear error, and flex refused from then on
+    monkeypatch.setattr(flex_mod, "_RECOMPILE_LIMIT", 1)
+    short = torch.randn(1, 2, 40, 8)  # one tile: a size dynamo specialises, so a recompile
+    with pytest.raises(RuntimeError, match="recompile limit .* score matrix"):
+        scaled_dot_product_attention(short, short, short, pattern, is_causal=True, backend="flex")
+    why = explain(q, q, q, pattern, is_causal=True).reasons["flex"]
+    assert "recompile limit" in why

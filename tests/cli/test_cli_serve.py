@@ -17,6 +17,21 @@ def test_serve_rejects_a_folder_without_a_model(
     assert err.count("\n") == 0 and "no config.json" in err
 
 
-def test_serve_rejects_a_bad_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", str(tmp_path), "--port", "-1"]) == 2
-    assert "--port must be positive, got -1" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--port", "-1"),
+        ("--port", "0"),
+        ("--port", "65536"),
+        ("--port", "http"),
+        ("--threads", "0"),
+    ],
+)
+def test_serve_rejects_a_bad_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    assert main(["serve", str(tmp_path), flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and flag in err and value in err
+    if flag == "--port" and value != "http":
+        assert "[1, 65535]" in err

@@ -40,7 +40,7 @@ def test_tiny_preset_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     [
         (["train"], "pass a training config file"),
         (["train", "--preset", "nope"], "unknown preset 'nope'"),
-        (["train", "--preset", "tiny", "--set", "optim.lr=-1"], "optim.lr must be a number > 0"),
+        (["train", "--preset", "tiny", "--set", "optim.lr=-1"], "optim.lr must be > 0"),
         (["train", "--preset", "tiny", "--set", "steps"], "--set expects key=value"),
         (["train", "missing.toml"], "does not exist"),
         (["train", "--preset", "tiny", "--set", "model.kind=rnn"], "model.kind must be one of"),

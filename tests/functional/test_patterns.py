@@ -126,7 +126,7 @@ def test_analytic_density_for_long_sequences() -> None:
 
 
 def test_block_mask_rejects_bad_blocks() -> None:
-    with pytest.raises(ValueError, match="block_q must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="block_q must be a positive int, got 0"):
         M.causal().block_mask(8, 8, 0, 4)
 
 

@@ -39,8 +39,10 @@ def test_softcap_bounds_the_scores() -> None:
     capped = softcap(5.0)(s, s, s, s, s)
     assert capped.abs().max() <= 5.0
     torch.testing.assert_close(softcap(5.0)(s, s, s, s, s)[5], torch.tensor(0.0))
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match=r"soft cap must be > 0, got 0.0"):
         softcap(0.0)
+    with pytest.raises(ValueError, match="soft cap must be a finite number > 0, got inf"):
+        softcap(float("inf"))
 
 
 def test_patterns_carry_modifiers_and_refuse_late_combination() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -72,3 +73,16 @@ def test_compile_refuses_what_it_cannot_compile() -> None:
     ).eval()
     with pytest.raises(ValueError, match="dynamic NTK"):
         generate(dyn, ids, 2, compile=True)
+
+
+def test_too_many_compiled_graphs_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo's recompile limit is shared by every model's decode step: attnlab raises its
+    own limit, and reaching that one is a RuntimeError that says what to do."""
+    gen = importlib.import_module("attnlab.generation.generate")  # the module, not the function
+    monkeypatch.setattr(gen, "COMPILED_STEP_GRAPHS", 1)
+    torch.manual_seed(0)
+    model = DecoderLM(MODELS["llama"]()).eval()
+    ids, _ = _prompt()
+    with pytest.raises(RuntimeError, match="compile=False"):  # a second batch size: graph 2
+        for rows in (2, 1):
+            generate(model, ids[:rows], 2, compile=True)

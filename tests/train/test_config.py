@@ -35,7 +35,7 @@ def test_overrides_parse_toml_literals() -> None:
     ("data", "match"),
     [
         ({"stepz": 3}, r"unknown training config keys \['stepz'\]"),
-        ({"optim": {"lr": -1}}, r"optim.lr must be a number > 0, got -1"),
+        ({"optim": {"lr": -1}}, r"optim.lr must be > 0, got -1"),
         ({"optim": {"learning_rate": 1}}, r"unknown keys in \[optim\]: \['learning_rate'\]"),
         ({"data": {"source": "web"}}, r"data.source must be one of .*got 'web'"),
         ({"data": {"source": "files"}}, r"needs data.paths"),

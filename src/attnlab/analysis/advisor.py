@@ -25,6 +25,7 @@ from typing import Any
 
 from attnlab._validate import check_positive_int, check_real
 from attnlab.analysis.arch import ArchSpec, describe, preset
+from attnlab.analysis.backend_choice import auto_choice
 from attnlab.analysis.cost import CostReport, estimate, human_bytes, human_flops
 
 logger = logging.getLogger(__name__)
@@ -616,28 +617,21 @@ def _calibrated_backend_rec(
     nothing here restates a backend's speed.
     """
     try:
-        import torch
-
         from attnlab.backends.cost_model import format_seconds
-        from attnlab.backends.registry import AttentionCall, _choose
-        from attnlab.functional import masks
 
-        pattern = masks.sliding_window(best.window - 1) if best.window else None
-        call = AttentionCall(
-            query_shape=(batch_size, spec.num_heads, seq_len, spec.head_dim),
-            key_shape=(batch_size, spec.num_kv_heads, seq_len, spec.head_dim),
-            value_shape=(batch_size, spec.num_kv_heads, seq_len, spec.head_dim),
-            dtype=getattr(torch, best.dtype),
-            device=torch.device(device),
-            mask="pattern" if pattern is not None else "none",
-            pattern=pattern,
-            is_causal=spec.causal and pattern is None,
-            dropout_p=0.0,
-            enable_gqa=spec.num_kv_heads != spec.num_heads,
-            needs_grad=training,
-            return_weights=False,
+        why = auto_choice(
+            batch_size=batch_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            q_len=seq_len,
+            kv_len=seq_len,
+            dtype=best.dtype,
+            training=training,
+            causal=spec.causal,
+            window=best.window or None,
+            device=device,
         )
-        why = _choose(call, "auto")
     except Exception:  # the registry's model is an aid, never a reason to fail
         logger.debug("calibrated backend choice failed", exc_info=True)
         return Recommendation(

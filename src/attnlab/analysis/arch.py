@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from attnlab._validate import check_positive_int
+
 __all__ = ["PRESETS", "ArchSpec", "MoESpec", "adapters", "describe", "preset", "register_adapter"]
 
 FfnKind = Literal["standard", "gated"]
@@ -136,9 +138,7 @@ class ArchSpec:
             "intermediate_size",
             "vocab_size",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ArchSpec.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"ArchSpec.{name}", getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
@@ -146,8 +146,8 @@ class ArchSpec:
             )
         if self.ffn not in ("standard", "gated"):
             raise ValueError(f"ffn must be 'standard' or 'gated', got {self.ffn!r}")
-        if self.window is not None and self.window <= 0:
-            raise ValueError(f"window must be a positive int or None, got {self.window!r}")
+        if self.window is not None:
+            check_positive_int("window", self.window)
         if self.pattern_density is not None and not 0.0 < self.pattern_density <= 1.0:
             raise ValueError(f"pattern_density must be in (0, 1], got {self.pattern_density!r}")
 
@@ -246,6 +246,15 @@ def _ffn_name(config: Any) -> str:
 
 
 def _decoder(config: Any) -> ArchSpec:
+    mixers = sorted({spec.mixer for spec in config.layer_specs})
+    if mixers != ["attention"]:
+        # an ArchSpec describes uniform attention layers: costing a hybrid's Mamba layers as
+        # attention would be wrong (parameters, FLOPs, and a KV cache they do not keep)
+        raise ValueError(
+            f"the cost model covers attention decoders (and, through estimate_recurrent, "
+            f"pure state-space models); this layout mixes {mixers} layers, a hybrid it does "
+            "not estimate"
+        )
     pos = config.position_embedding
     out_bias = config.attention_out_bias
     return ArchSpec(

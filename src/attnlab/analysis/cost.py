@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from attnlab._validate import check_int, check_positive_int
 from attnlab.analysis.arch import ArchSpec, describe
+from attnlab.analysis.backend_choice import auto_choice
 from attnlab.analysis.cost_layers import (
     BACKEND_TRAITS,
     ELEMENTWISE_FLOPS,
@@ -50,7 +51,6 @@ from attnlab.analysis.cost_layers import (
     layer_saved,
     parameter_count,
     register_backend_traits,
-    tile_pairs,
     traits_of,
     window_density,
 )
@@ -261,50 +261,42 @@ def human_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
-def _resolve_backend(
-    backend: str, spec: ArchSpec, shape: LayerShape, *, mode: str, patterned: bool
+def _auto_backend(
+    requested: str,
+    spec: ArchSpec,
+    shape: LayerShape,
+    *,
+    mode: str,
+    dtype: str,
+    mask: Any,
 ) -> str:
     """The backend ``auto`` would choose for this model's self-attention calls.
 
-    A backend set with ``attnlab.backends.use`` wins. Otherwise the choice follows the
-    registry's calibrated model (:mod:`attnlab.backends.cost_model`): for each exact backend
-    with measured constants, ``overhead + units * seconds_per_unit`` with
-    ``units = B * H * pairs * 2E / 128`` and the pairs it computes (whole tiles for the
-    tile-skipping ones, from :func:`tile_pairs`: closed form, no mask is built).
-    FlexAttention is left out: on CPU it compiles per shape (seconds) and has no backward.
+    A backend named, or set with ``attnlab.backends.use``, wins (costed as asked).
+    Otherwise the registry decides (:func:`attnlab.analysis.backend_choice.auto_choice`):
+    its checks and its calibrated cost model, the same that run a real call.
     """
-    if backend != "auto":
-        return backend
+    if requested != "auto":
+        return requested
     registry = sys.modules.get("attnlab.backends.registry")
     if registry is not None and registry.current() != "auto":
         return str(registry.current())
-    from attnlab.backends.cost_constants import CONSTANTS
-
-    table = CONSTANTS["cpu"]
-    best, best_s = "sdpa", float("inf")
-    full = float(shape.lq * shape.s)
-    for name, traits in BACKEND_TRAITS.items():
-        if name not in table or name == "flex" or traits.linear:
-            continue
-        row = name
-        if name == "sdpa" and "sdpa_flash" in table:
-            # torch's flash path runs no mask or is_causal alone; any other mask (a window,
-            # a pattern, the slot mask of cached decoding) takes its masked path
-            flash = not patterned and shape.window is None and mode != "decode"
-            row = "sdpa_flash" if flash else "sdpa"
-        overhead, per_unit = table[row]["fwd_bwd" if mode == "training" else "fwd"]
-        if traits.skips == "pattern" and traits.block is not None and not patterned:
-            pairs = tile_pairs(shape, *traits.block)
-        elif traits.skips == "pattern" or (
-            traits.skips == "causal" and shape.causal and shape.window is None and not patterned
-        ):
-            pairs = full * shape.density
-        else:
-            pairs = full
-        seconds = overhead + shape.b * spec.num_heads * pairs * 2 * spec.head_dim / 128 * per_unit
-        if seconds < best_s:
-            best, best_s = name, seconds
-    return best
+    why = auto_choice(
+        batch_size=shape.b,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        q_len=shape.lq,
+        kv_len=shape.s,
+        dtype=dtype,
+        training=mode == "training",
+        causal=shape.causal,
+        window=shape.window,
+        mask=mask,
+        dense_mask=not shape.structured and mask is None,
+        positions=mode == "decode",
+    )
+    return why.chosen
 
 
 # --------------------------------------------------------------------------- estimate
@@ -468,12 +460,10 @@ def estimate(
         q_offset=q_offset,
         structured=mask is None and spec.pattern_density is None,
     )
-    backend = _resolve_backend(
-        requested, spec, self_shape, mode=mode, patterned=not self_shape.structured
-    )
+    backend = _auto_backend(requested, spec, self_shape, mode=mode, dtype=dtype_name, mask=mask)
     traits = traits_of(backend)
     if requested == "auto":
-        notes.append(f"auto resolves to {backend!r} for this shape (calibrated constants)")
+        notes.append(f"auto resolves to {backend!r} for this shape (the registry's choice)")
     if backend not in BACKEND_TRAITS:
         notes.append(f"no traits registered for backend {backend!r}: costed like 'sdpa'")
     by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}

@@ -34,6 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from attnlab._validate import check_positive_int
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 
 __all__ = [
@@ -280,8 +281,7 @@ def estimate_recurrent(
             f"got {type(config_or_model).__name__}"
         )
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
     if mode not in ("inference", "training", "decode"):
         raise ValueError(f"mode must be 'inference', 'training' or 'decode', got {mode!r}")
     states = {"adamw": 2, "adam": 2, "momentum": 1, "sgd": 0, None: 0}

@@ -7,6 +7,7 @@ pick; :func:`explain` says why.
 
 from attnlab.backends import flex as _flex  # noqa: F401  (registers)
 from attnlab.backends import linear as _linear  # noqa: F401  (registers)
+from attnlab.backends import paged as _paged  # noqa: F401  (registers)
 from attnlab.backends import reference as _reference  # noqa: F401  (registers)
 from attnlab.backends import sdpa as _sdpa  # noqa: F401  (registers)
 from attnlab.backends import sparse as _sparse  # noqa: F401  (registers)

@@ -28,14 +28,22 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from attnlab.backend_traits import TRAITS
+from attnlab.backend_traits import PAGED_COST, TRAITS
 from attnlab.backends import cost_constants
 from attnlab.functional.masks import MaskPattern, causal
 
 if TYPE_CHECKING:
     from attnlab.backends.registry import AttentionCall
 
-__all__ = ["Estimate", "computed_pairs", "estimate", "format_seconds", "lse_pass", "units"]
+__all__ = [
+    "Estimate",
+    "computed_pairs",
+    "estimate",
+    "format_seconds",
+    "gather_seconds",
+    "lse_pass",
+    "units",
+]
 
 _MAX_CACHED = 128
 _pairs_cache: OrderedDict[tuple[object, ...], tuple[MaskPattern | None, float]] = OrderedDict()
@@ -115,3 +123,15 @@ def estimate(backend: str, call: AttentionCall, pairs: float) -> Estimate | None
     if call.device.type not in cost_constants.CONSTANTS:
         note += f" (constants measured on cpu, not {call.device.type})"
     return Estimate(seconds, note)
+
+
+def gather_seconds(call: AttentionCall) -> float:
+    """Seconds to copy a paged call's keys/values (``key_shape``) out of the pool.
+
+    The gather path copies every row's ``S`` slots into a batch before a backend
+    attends over it; the ``paged`` backend copies each row's stored blocks, group by
+    group (:data:`attnlab.backend_traits.PAGED_COST`).
+    """
+    b, h_kv, s, e = call.key_shape[0], call.key_shape[-3], call.key_shape[-2], call.key_shape[-1]
+    nbytes = b * h_kv * s * (e + call.value_shape[-1]) * call.dtype.itemsize
+    return PAGED_COST.gather_overhead_s + nbytes / PAGED_COST.gather_bytes_per_s

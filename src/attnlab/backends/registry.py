@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnlab.backends.cost_model import Estimate
+from attnlab.backends.cost_model import Estimate, gather_seconds
 from attnlab.functional._checks import check_attention_inputs, check_positions
 from attnlab.functional.attention import AttnMask, pattern_mask, resolve_mask
 from attnlab.functional.masks import MaskPattern
@@ -47,6 +47,9 @@ class AttentionCall:
     return_weights: bool
     mask_needs_grad: bool = False
     positions: bool = False  # the call says where its queries/keys sit (q/k_positions)
+    #: the keys live in a paged pool of blocks of this many tokens (0: a batch of keys);
+    #: backends that read blocks (``paged``) can run it, the others get the gathered batch
+    block_size: int = 0
 
     @classmethod
     def from_inputs(
@@ -121,6 +124,8 @@ class Backend:
         trusted_fn: ``fn`` without its data-dependent input checks (a host sync), for
             the library's trusted path (:func:`dispatch_trusted`), whose caller checks
             its own outputs; None when ``fn`` has no such check.
+        reads_blocks: ``fn`` takes a paged cache's pools as ``key``/``value`` and its
+            block tables as ``block_table=`` (only for calls with a ``block_size``).
     """
 
     name: str
@@ -133,6 +138,7 @@ class Backend:
     description: str = ""
     cost: Callable[[AttentionCall], Estimate | None] | None = None
     trusted_fn: BackendFn | None = None
+    reads_blocks: bool = False
 
 
 @dataclass
@@ -173,6 +179,11 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def forget_choices() -> None:
+    """Forget every memoized choice (a backend's ability to run calls has changed)."""
+    _MEMO.clear()
+
+
 def bucket(n: int) -> int:
     """A length's memo bucket: exact up to 16, then the next power of two.
 
@@ -194,6 +205,7 @@ def signature(
     enable_gqa: bool,
     return_weights: bool,
     positions: bool,
+    block_size: int = 0,
 ) -> tuple[Any, ...]:
     """The memo key of a call: what ``auto``'s choice depends on, lengths bucketed.
 
@@ -228,6 +240,7 @@ def signature(
         grad,
         return_weights,
         positions,
+        block_size,
     )
 
 
@@ -267,6 +280,18 @@ def current() -> str:
     return _FORCED.get() or "auto"
 
 
+def choose(call: AttentionCall, backend: str = "auto") -> Explanation:
+    """The backend that runs ``call`` and why, from a description alone (no tensors needed).
+
+    What ``auto`` decides for a real call, for tools that describe attention by its
+    shapes (the cost model, the advisor). Not memoized.
+
+    Raises:
+        ValueError: a named (or :func:`use`-set) backend that cannot run the call.
+    """
+    return _choose(call, backend)
+
+
 def _choose(call: AttentionCall, backend: str) -> Explanation:
     requested = backend if backend != "auto" else (_FORCED.get() or "auto")
     if requested != "auto":
@@ -290,6 +315,10 @@ def _choose(call: AttentionCall, backend: str) -> Explanation:
             reasons[name] = why
             continue
         est = b.cost(call) if b.cost is not None else None
+        if est is not None and call.block_size and not b.reads_blocks:
+            est = Estimate(
+                est.seconds + gather_seconds(call), f"{est.note} + gathering the paged keys"
+            )
         if est is not None:
             estimates[name] = est.seconds
         runnable.append((est.seconds if est else float("inf"), b.priority, name, est))
@@ -343,6 +372,7 @@ def _memoized(
         enable_gqa=enable_gqa,
         return_weights=return_weights,
         positions=positions,
+        block_size=call.block_size if call is not None else 0,
     )
     exact = (sig, query.shape[-2], key.shape[-2])
     hit = _MEMO.get(sig) or _MEMO.get(exact)
@@ -399,6 +429,7 @@ def choose_call(call: AttentionCall, backend: str = "auto") -> Explanation:
         call.needs_grad or call.mask_needs_grad,
         call.return_weights,
         call.positions,
+        call.block_size,
     )
     exact = (sig, lq, s)
     hit = _MEMO.get(sig) or _MEMO.get(exact)
@@ -485,14 +516,17 @@ def _run(
     q_positions: Tensor | None,
     k_positions: Tensor | None,
     trusted: bool = False,
+    block_table: object | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Hand one call to backend ``b``, in the form of mask and positions it takes
     (``trusted``: the library's own call, without the backend's data checks)."""
     target = (*query.shape[:-1], key.shape[-2])  # [B.., H, L, S]
-    extra: dict[str, Tensor | None] = {}
+    extra: dict[str, object] = {}
     positions = q_positions is not None or k_positions is not None
     if positions and b.accepts_positions:
         extra = {"q_positions": q_positions, "k_positions": k_positions}
+    if b.reads_blocks:
+        extra["block_table"] = block_table
     mask = attn_mask
     if positions and not b.accepts_positions:
         mask = _positions_mask(is_causal, attn_mask, target, query.device, q_positions, k_positions)
@@ -571,6 +605,7 @@ def dispatch_trusted(
     backend: str = "auto",
     q_positions: Tensor | None = None,
     k_positions: Tensor | None = None,
+    block_table: object | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Run a call described once by ``call`` (the library's internal path: no re-validation).
 
@@ -588,6 +623,8 @@ def dispatch_trusted(
         backend: ``"auto"`` or a backend name.
         q_positions: long ``[B or 1, L]`` query positions, or None.
         k_positions: long ``[B or 1, S]`` key positions (``-1`` empty), or None.
+        block_table: for a backend that reads blocks (``call.block_size > 0``), the
+            rows' block tables; ``key``/``value`` are then the layer's pools.
 
     Returns:
         ``(output [B.., H, L, Ev], weights or None)``.
@@ -623,4 +660,5 @@ def dispatch_trusted(
         q_positions,
         k_positions,
         trusted=True,
+        block_table=block_table,
     )

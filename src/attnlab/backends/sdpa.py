@@ -102,6 +102,11 @@ def sdpa_torch(
                 attn_mask = attn_mask.masked_fill(~row_ok, 0.0)
             else:
                 row_ok = None
+    if attn_mask is not None and attn_mask.dim() < query.dim():
+        # torch's fused CPU kernel takes a mask of the query's rank only; a lower-rank
+        # one (a broadcast [1, L, S]) sends it to the math path, which repeats the
+        # key/value heads for GQA: 20x slower for a decode step at 2048 keys
+        attn_mask = attn_mask.view((1,) * (query.dim() - attn_mask.dim()) + attn_mask.shape)
     gqa = enable_gqa and query.shape[-3] != key.shape[-3]
     out = F.scaled_dot_product_attention(
         query,

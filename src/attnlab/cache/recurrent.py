@@ -10,7 +10,7 @@ these layers keep a fixed-size state, the same at 16 tokens and at 16 thousand:
   ``(num, den, max)`` sums (Peng et al., 2023).
 * :class:`RetentionState`: the retention state ``[B, H, K, V]`` (Sun et al., 2023).
 
-Each follows the cache protocol of ``docs/contracts.md``: ``length`` (tokens seen),
+Each is a :class:`~attnlab.cache.base.LayerCache` (``docs/contracts.md``): ``length`` (tokens seen),
 ``reset()``, ``select(rows)`` (keep/reorder batch rows, for beam search and serving) and
 ``nbytes()`` (bytes held now, which the cost model checks). The tensors are created on
 the first write, in the input's dtype and device; the mixer that owns a state is the only
@@ -22,16 +22,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab.cache.base import LayerCache, check_rows, tensor_nbytes
+
 __all__ = ["Mamba2State", "MambaState", "RWKVState", "RecurrentState", "RetentionState"]
 
 
-class RecurrentState:
+class RecurrentState(LayerCache):
     """A fixed-size per-layer state: named tensors, all with the batch as dimension 0."""
 
     _fields: tuple[str, ...] = ()
 
     def __init__(self) -> None:
-        self.length = 0  # tokens seen (the next token's slot)
+        super().__init__()  # length: tokens seen (the next token's slot)
         self.batch_size: int | None = None
         for name in self._fields:
             setattr(self, name, None)
@@ -48,6 +50,7 @@ class RecurrentState:
 
     def select(self, rows: Tensor) -> None:
         """Keep/reorder batch rows: ``rows`` is a long index tensor ``[B']``."""
+        rows = check_rows(rows, self.batch_size)
         for name in self._fields:
             t = getattr(self, name)
             if t is not None:
@@ -57,7 +60,7 @@ class RecurrentState:
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (constant in the context length)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return tensor_nbytes(*self._tensors())
 
     def _check_rows(self, name: str, x: Tensor) -> None:
         if self.batch_size is None:

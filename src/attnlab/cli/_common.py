@@ -46,6 +46,16 @@ positive_int = _number_type("a positive int", int, lambda v: check_int("value", 
 nonnegative_int = _number_type("an int >= 0", int, lambda v: check_int("value", v, min_value=0))
 any_int = _number_type("an int", int, lambda v: check_int("value", v))
 positive_float = _number_type("a number > 0", float, lambda v: check_real("value", v, gt=0.0))
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argument type for ints ``>= low``, checked by :func:`attnlab._validate.check_int`."""
+    return _number_type(f"an int >= {low}", int, lambda v: check_int("value", v, min_value=low))
+
+
+port_number = _number_type(
+    "a port number", int, lambda v: check_int("value", v, min_value=1, max_value=65535)
+)
 probability_float = _number_type(
     "a number in (0, 1]", float, lambda v: check_real("value", v, gt=0.0, le=1.0)
 )

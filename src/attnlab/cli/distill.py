@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from attnlab.cli._common import positive_float
+from attnlab._validate import check_int
+from attnlab.cli._common import positive_float, positive_int
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -16,19 +17,10 @@ def _layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated layer indices such as 1,3,5, got {text!r}"
         ) from None
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"layer indices must be >= 0, got {text!r}")
-    return out
-
-
-def _positive_int(text: str) -> int:
     try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+        return tuple(check_int("layer indices", i, min_value=0) for i in out)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
 
 
 def add_parser(sub: Any) -> None:
@@ -49,9 +41,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--teacher", help="sentence-transformers folder (default all-MiniLM-L6-v2)")
     p.add_argument("--out", help="save the student folder here")
     p.add_argument("--layers", type=_layers, default=(1, 3, 5), help="teacher layers kept")
-    p.add_argument("--steps", type=_positive_int, default=600, help="optimiser steps (600)")
-    p.add_argument("--batch-size", type=_positive_int, default=32, help="sentences per step")
-    p.add_argument("--eval-sentences", type=_positive_int, default=500, help="held-out sentences")
+    p.add_argument("--steps", type=positive_int, default=600, help="optimiser steps (600)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences per step")
+    p.add_argument("--eval-sentences", type=positive_int, default=500, help="held-out sentences")
     p.add_argument("--seed", type=int, default=0, help="seed (0)")
     p.add_argument(
         "--lr",

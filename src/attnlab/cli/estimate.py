@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from attnlab.cli._common import positive_int, print_json, writable_file
+from attnlab.cli._common import int_at_least, positive_int, print_json, writable_file
 
 
 def add_parser(sub: Any) -> None:
@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--checkpointing", action="store_true", help="per-layer gradient checkpointing")
     p.add_argument(
         "--max-len",
-        type=positive_int,
+        type=int_at_least(128),
         default=32768,
         help="table: longest sequence (default 32768)",
     )
@@ -179,8 +179,6 @@ def run(args: argparse.Namespace) -> int:
             for note in report.notes:
                 print(f"  note: {note}")
         return 0
-    if args.max_len < 128:
-        raise ValueError(f"--max-len must be >= 128, got {args.max_len}")
     lens = [n for n in SEQ_LENS if n <= args.max_len]
     rows = scaling_table(
         tutorial_variants(spec, window=args.window or 512), lens, batch_size=args.batch_size

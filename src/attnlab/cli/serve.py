@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from attnlab.cli._common import port_number, positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -23,31 +25,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a transformers model folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--port", type=port_number, default=8000, help="TCP port, 1-65535 (default 8000)"
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="model id (default: folder name)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
-    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks in the pool")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
+    p.add_argument(
+        "--max-batched-tokens", type=positive_int, default=512, help="token budget per step"
+    )
+    p.add_argument(
+        "--max-waiting", type=positive_int, default=256, help="queued requests before 429"
+    )
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in (
-        "port",
-        "block_size",
-        "num_blocks",
-        "max_num_seqs",
-        "max_batched_tokens",
-        "max_waiting",
-        "threads",
-    ):
-        value = getattr(args, name)
-        if value is not None and value <= 0 and not (name == "port" and value == 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     try:
         import uvicorn
 

@@ -22,7 +22,9 @@ __all__ = [
     "check_binary_mask",
     "check_dense_mask",
     "check_finite_logits",
+    "check_index_range",
     "check_int",
+    "check_integer_tensor",
     "check_positive_int",
     "check_probability",
     "check_real",
@@ -82,6 +84,34 @@ def check_binary_mask(name: str, mask: object, shape: tuple[int, ...] | None = N
     return m
 
 
+def check_integer_tensor(name: str, x: object) -> Tensor:
+    """Return ``x`` if it is a tensor of an integer dtype (not bool), else raise naming it.
+
+    Raises:
+        TypeError: not a tensor, or a floating, complex or bool dtype.
+    """
+    t = check_tensor(name, x)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    return t
+
+
+def check_index_range(name: str, t: Tensor, upper: int, *, bound: str | None = None) -> Tensor:
+    """Return ``t`` if its values lie in ``[0, upper)``; ``bound`` names ``upper`` in the message.
+
+    Raises:
+        ValueError: a value outside the range; the message gives the range of values found.
+    """
+    if t.numel():
+        lo, hi = torch.aminmax(t)
+        if int(lo) < 0 or int(hi) >= upper:
+            limit = f"{bound}={upper}" if bound else str(upper)
+            raise ValueError(
+                f"{name} must be in [0, {limit}), got values in [{int(lo)}, {int(hi)}]"
+            )
+    return t
+
+
 def check_token_ids(name: str, ids: object, vocab_size: int) -> Tensor:
     """Check token ids given to a model: an integer ``(B, S)`` tensor, ``B, S > 0``, in range.
 
@@ -89,9 +119,7 @@ def check_token_ids(name: str, ids: object, vocab_size: int) -> Tensor:
         TypeError: not a tensor, or not an integer dtype.
         ValueError: not 2-D, no tokens (``B`` or ``S`` is 0), or ids outside ``[0, vocab_size)``.
     """
-    t = check_tensor(name, ids)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    t = check_integer_tensor(name, ids)
     if t.dim() != 2:
         raise ValueError(f"{name} must be (batch, seq_len), got shape {tuple(t.shape)}")
     if t.numel() == 0:
@@ -99,12 +127,7 @@ def check_token_ids(name: str, ids: object, vocab_size: int) -> Tensor:
             f"{name} holds no tokens (shape {tuple(t.shape)}); a model needs at least one "
             "token per row"
         )
-    lo, hi = torch.aminmax(t)
-    if int(lo) < 0 or int(hi) >= vocab_size:
-        raise ValueError(
-            f"{name} must be in [0, vocab_size={vocab_size}), got values in [{int(lo)}, {int(hi)}]"
-        )
-    return t
+    return check_index_range(name, t, vocab_size, bound="vocab_size")
 
 
 def check_finite_logits(logits: Tensor, *, step: int) -> None:
@@ -260,9 +283,7 @@ def check_positions(
         if pos is None:
             out.append(None)
             continue
-        t = check_tensor(name, pos)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor (long), got {t.dtype}")
+        t = check_integer_tensor(name, pos)
         if t.dim() != 2 or t.shape[1] != n or t.shape[0] not in (1, batch):
             raise ValueError(
                 f"{name} must have shape [{batch} or 1, {n}] (batch, "

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.functional._checks import check_real
+
 __all__ = ["attention_kl", "hidden_state_loss", "kl_div_logits", "value_relation_kl"]
 
 Direction = Literal["forward", "reverse"]
@@ -93,9 +95,7 @@ def kl_div_logits(
             unknown direction, a malformed mask.
     """
     _check_pair("kl_div_logits", student_logits, teacher_logits)
-    t = float(temperature)
-    if not 0 < t < float("inf"):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    t = check_real("temperature", temperature, gt=0.0)
     if direction not in ("forward", "reverse"):
         raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
     log_s = F.log_softmax(_acc(student_logits) / t, dim=-1)

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from attnlab.functional._checks import check_integer_tensor
+
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "shift_right", "token_loss"]
 
 #: Labels with this value are not predicted (transformers' and PyTorch's default).
@@ -24,9 +26,7 @@ IGNORE_INDEX = -100
 
 
 def _check(logits: Tensor, labels: Tensor) -> None:
-    if not isinstance(labels, Tensor) or labels.dtype.is_floating_point:
-        got = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
-        raise TypeError(f"labels must be an integer tensor, got {got}")
+    check_integer_tensor("labels", labels)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"labels must be (batch, seq_len) = {tuple(logits.shape[:-1])} like the logits, "

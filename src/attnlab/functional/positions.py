@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from attnlab.functional._checks import check_int, check_real
+from attnlab.functional._checks import check_int, check_positive_int, check_real
 
 __all__ = [
     "ROPE_TYPES",
@@ -51,10 +51,9 @@ def sinusoidal_table(num_positions: int, dim: int, *, base: float = 10000.0) -> 
     Returns:
         float32 ``[P, dim]``.
     """
-    if dim <= 0 or dim % 2:
+    if check_positive_int("dim", dim) % 2:
         raise ValueError(f"sinusoidal encodings need a positive even dim, got {dim}")
-    if num_positions < 0:
-        raise ValueError(f"num_positions must be >= 0, got {num_positions}")
+    check_int("num_positions", num_positions, min_value=0)
     pos = torch.arange(num_positions, dtype=torch.float64)[:, None]  # [P, 1]
     two_i = torch.arange(0, dim, 2, dtype=torch.float64)  # [dim/2]
     angle = pos / base ** (two_i / dim)  # [P, dim/2]
@@ -184,7 +183,7 @@ def rope_inv_freq(
     Raises:
         ValueError: an odd ``dim``, an unknown ``rope_type`` or missing/invalid fields.
     """
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:
+    if check_positive_int("rotary dim", dim) % 2:
         raise ValueError(f"rotary dim must be a positive even int, got {dim!r}")
     params = check_rope_parameters(base, scaling, theta_name="base")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -332,8 +331,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
     Returns:
         float32 ``[num_heads]``.
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    check_positive_int("num_heads", num_heads)
 
     def geometric(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnlab.functional._checks import check_positive_int, check_tensor
+from attnlab.functional._checks import check_positive_int, check_real, check_tensor
 
 __all__ = [
     "ROUTERS",
@@ -136,8 +136,7 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     """
     check_positive_int("num_experts", num_experts)
     check_positive_int("top_k", top_k)
-    if isinstance(capacity_factor, bool) or not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    check_real("capacity_factor", capacity_factor, gt=0.0)
     return max(1, math.ceil(capacity_factor * top_k * num_tokens / num_experts))
 
 

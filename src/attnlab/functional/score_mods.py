@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnlab.functional._checks import check_positive_int, check_real
 from attnlab.functional.positions import alibi_slopes, t5_relative_position_bucket
 
 __all__ = [
@@ -133,9 +134,7 @@ class SoftCap(ScoreMod):
     """``cap * tanh(score / cap)``: scores bounded to ``(-cap, cap)``."""
 
     def __init__(self, cap: float) -> None:
-        if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0:
-            raise ValueError(f"the soft cap must be a positive number, got {cap!r}")
-        self.cap = float(cap)
+        self.cap = check_real("the soft cap", cap, gt=0.0)
 
     def __call__(
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
@@ -169,8 +168,7 @@ class T5Bias(ScoreMod):
                 "the T5 bias table must be a floating tensor [num_buckets, num_heads], got "
                 f"{type(table).__name__} {tuple(getattr(table, 'shape', ()))}"
             )
-        if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 1:
-            raise ValueError(f"max_distance must be a positive int, got {max_distance!r}")
+        check_positive_int("max_distance", max_distance)
         self.table = table
         self.bidirectional = bool(bidirectional)
         self.max_distance = max_distance

@@ -208,18 +208,38 @@ def stream(
             next_pos = next_pos + 1
 
 
+#: Decode-step graphs one process may compile (one per model, batch size and cache-length
+#: bucket). dynamo's own limit (8) counts every graph of ``DecoderLM.decode_step``'s code
+#: object, whichever model it belongs to, and ``fullgraph=True`` turns reaching it into a
+#: crash on the ninth model or shape.
+COMPILED_STEP_GRAPHS = 64
+
+
 def compiled_decode_step(model: nn.Module) -> Any:
     """``torch.compile`` of ``model.decode_step``, made once per model and kept on it.
 
     The step has fixed shapes over a static cache and takes its slot as a tensor, so one
     graph serves every step of every generation with the same batch size and cache
     length (``dynamic=False``; ``fullgraph=True`` fails loudly on a graph break
-    rather than running part of the step eagerly).
+    rather than running part of the step eagerly). Up to :data:`COMPILED_STEP_GRAPHS`
+    graphs are kept per process; past that, a clear ``RuntimeError``.
     """
     step = getattr(model, "_compiled_decode_step", None)
     if step is None:
         decode_step: Any = model.decode_step
-        step = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_GRAPHS):
+                try:
+                    return compiled(*args, **kwargs)
+                except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                    raise RuntimeError(
+                        f"generate(compile=True) has compiled {COMPILED_STEP_GRAPHS} decode-step "
+                        "graphs in this process (one per model, batch size and cache length); "
+                        "use compile=False, or fewer distinct shapes"
+                    ) from err
+
         model.__dict__["_compiled_decode_step"] = step
     return step
 

@@ -21,9 +21,11 @@ What maps to what:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from attnlab.interop.hf import Converter, register_converter, require_transformers
 from attnlab.interop.llama import _first, add_tied_head, drop_tied_head
@@ -138,6 +140,36 @@ def key_map(model: nn.Module) -> dict[str, str]:
     return m
 
 
+_PER_EXPERT = re.compile(
+    r"^(?P<layer>model\.layers\.\d+)\.feed_forward\.experts\.(?P<e>\d+)\."
+    r"(?P<w>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def weights_from_hf(weights: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:
+    """Saved Jamba checkpoints keep one tensor per expert (``feed_forward.experts.{e}.
+    gate_proj/up_proj/down_proj``); transformers 5 and attnlab hold them batched: stack them
+    into ``experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and ``experts.down_proj
+    [E, D, F]``. Then drop a tied head's copy."""
+    out: dict[str, Tensor] = {}
+    grouped: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for key, t in weights.items():
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            out[key] = t
+        else:
+            grouped.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[m["w"]] = t
+    for layer, experts in grouped.items():
+        order = [experts[e] for e in sorted(experts)]
+        out[f"{layer}.feed_forward.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w["gate_proj"], w["up_proj"]]) for w in order]
+        )
+        out[f"{layer}.feed_forward.experts.down_proj"] = torch.stack(
+            [w["down_proj"] for w in order]
+        )
+    return drop_tied_head(out, config)
+
+
 def _period(flags: list[bool], what: str) -> tuple[int, int]:
     """``(period, offset)`` with ``flags[i] == (i % period == offset)``, else ValueError."""
     n = len(flags)
@@ -250,7 +282,7 @@ JAMBA = register_converter(
         build=DecoderLM,
         key_map=key_map,
         to_hf_model=jamba_to_hf,
-        weights_from_hf=lambda weights, config: drop_tied_head(weights, config),
+        weights_from_hf=weights_from_hf,
         weights_to_hf=add_tied_head,
         accepts=_is_jamba,
     )

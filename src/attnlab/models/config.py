@@ -117,8 +117,7 @@ class EncoderConfig(ConfigBase):
             raise ValueError("position_embedding_type='roberta' needs a pad_token_id")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
-        if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        check_real("rope_theta", self.rope_theta, gt=0.0)
         if self.attention_window is not None:
             w = self.attention_window
             if isinstance(w, list):

@@ -40,7 +40,7 @@ from attnlab.functional.score_mods import alibi
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MoEConfig
-from attnlab.models.mixers import MixerParts, build_mixer
+from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.experts import Experts, Router
@@ -154,6 +154,13 @@ def build_decoder_layer(
     )
 
 
+def _first_kv(cache: ModelCache | None) -> KVCache | None:
+    """The first attention layer's KV cache: its slots are every attention layer's."""
+    if cache is None:
+        return None
+    return next((c for c in cache.layers if isinstance(c, KVCache)), None)
+
+
 class DecoderLM(nn.Module):
     """A pre-LN decoder-only Transformer with a language-model head.
 
@@ -243,25 +250,31 @@ class DecoderLM(nn.Module):
             ValueError: an unknown kind, or ``"static"`` without a positive ``max_length``.
         """
         window = self.config.sliding_window
-        if kind == "static":
-            weight = self.embed_tokens.weight
-            heads, dim = self.config.num_key_value_heads, self.config.head_dim
-            return ModelCache.build(
-                len(self.layers),
-                lambda: StaticKVCache(
+        if kind not in ("dynamic", "static"):
+            raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
+
+        def kv_cache() -> KVCache:
+            if kind == "static":
+                weight = self.embed_tokens.weight
+                assert self.config.num_key_value_heads is not None
+                assert self.config.head_dim is not None
+                return StaticKVCache(
                     max_length=max_length,
                     batch_size=batch_size,
-                    num_kv_heads=heads,
-                    head_dim=dim,
+                    num_kv_heads=self.config.num_key_value_heads,
+                    head_dim=self.config.head_dim,
                     dtype=weight.dtype if dtype is None else dtype,
                     device=weight.device if device is None else device,
-                ),
-            )
-        if kind != "dynamic":
-            raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
-        if window is not None:
-            return ModelCache.build(len(self.layers), lambda: SlidingWindowKVCache(window=window))
-        return ModelCache.build(len(self.layers), lambda: DynamicKVCache(capacity=max_length))
+                )
+            if window is not None:
+                return SlidingWindowKVCache(window=window)
+            return DynamicKVCache(capacity=max_length)
+
+        layers: list[LayerCache] = []
+        for spec in self.config.layer_specs:  # a hybrid mixes KV caches and recurrent states
+            own = get_mixer(spec.mixer).new_cache
+            layers.append(kv_cache() if own is None else own(self.config, kind, max_length))
+        return ModelCache(layers=layers)
 
     def forward(
         self,
@@ -432,12 +445,11 @@ class DecoderLM(nn.Module):
         n = input_ids.shape[1]
         d = self.config.hidden_size
         x = self.output_weight.new_empty((input_ids.shape[0], n, d))  # shape and dtype only
-        first = cache.layers[0] if cache.layers else None
-        assert first is None or isinstance(first, KVCache)
+        first = _first_kv(cache)
         q_slots = start + torch.arange(n, device=x.device)[None]
         pattern, is_causal, _, k_pos = self._pattern(first, attention_mask, start, n, q_slots)
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False))
+        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False, first))
 
     def _backend_for(self, call: AttentionCall) -> str:
         """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
@@ -472,12 +484,12 @@ class DecoderLM(nn.Module):
             x = self.embed_norm(x)
         if self.training and self.config.hidden_dropout > 0:
             x = self.dropout(x)
-        first = cache.layers[0] if cache is not None and cache.layers else None
-        if first is not None and not isinstance(first, KVCache):
-            raise TypeError(f"a decoder layer needs a KVCache, got {type(first).__name__}")
+        first = _first_kv(cache)  # the attention layers' slots (a hybrid's others carry states)
+        # the new tokens' padding, for mixers whose state must skip pads (Mamba)
+        token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
         pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        call = self._attention_call(x, pattern, is_causal, s, output_attentions)
+        call = self._attention_call(x, pattern, is_causal, s, output_attentions, first)
         backend = self._backend_for(call) if backend is None else backend  # once per forward
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
@@ -496,14 +508,15 @@ class DecoderLM(nn.Module):
                 positions=positions,
                 q_positions=q_pos,
                 k_positions=k_pos,
+                # a KV cache, or the mixer's own state in a hybrid's other layers
                 cache=cast(KVCache | None, layer_cache),
                 cache_start=start,
                 call=call,
                 backend=backend,
                 need_weights=output_attentions,
+                token_mask=token_mask,
             )
-            if output_attentions:
-                assert w is not None
+            if output_attentions and w is not None:  # attention layers only
                 attentions.append(w)
             if output_hidden_states:
                 hidden.append(x)
@@ -567,8 +580,10 @@ class DecoderLM(nn.Module):
         is_causal: bool,
         s: int,
         need_weights: bool,
+        first: KVCache | None = None,
     ) -> AttentionCall:
-        """The one :class:`AttentionCall` every self-attention layer of this forward shares."""
+        """The one :class:`AttentionCall` every self-attention layer of this forward shares
+        (``first``: the first layer's cache; a paged one gives the call its block size)."""
         c = self.config
         assert c.head_dim is not None and c.num_key_value_heads is not None
         b, n = x.shape[:2]
@@ -588,6 +603,7 @@ class DecoderLM(nn.Module):
             and (x.requires_grad or self.output_weight.requires_grad),
             return_weights=need_weights,
             positions=pattern is not None,
+            block_size=getattr(first, "block_size", 0) if pattern is not None else 0,
         )
 
     # ------------------------------------------------------------------ pieces

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from attnlab.functional._checks import check_int, check_positive_int
 from attnlab.functional.pooling import normalize as l2_normalize
 from attnlab.functional.pooling import pool_segments
 from attnlab.models.packing import (
@@ -79,12 +80,8 @@ class SentenceSettings:
         bad = [m for m in self.pooling if m not in POOLING_MODES]
         if bad:
             raise ValueError(f"unknown pooling mode(s) {bad}; attnlab implements {POOLING_MODES}")
-        if self.max_seq_length is not None and (
-            isinstance(self.max_seq_length, bool)
-            or not isinstance(self.max_seq_length, int)
-            or self.max_seq_length < 2
-        ):
-            raise ValueError(f"max_seq_length must be an int >= 2, got {self.max_seq_length!r}")
+        if self.max_seq_length is not None:
+            check_int("max_seq_length", self.max_seq_length, min_value=2)
 
 
 @dataclass(frozen=True)
@@ -383,8 +380,7 @@ def encode(
 
     if not isinstance(model, EncoderModel):
         raise TypeError(f"model must be an EncoderModel, got {type(model).__name__}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if dtype not in (torch.float32, torch.bfloat16):

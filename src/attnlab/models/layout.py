@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from attnlab.functional._checks import check_positive_int
+from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.routing import ROUTERS
 from attnlab.modules.activations import activation_names
 
@@ -88,33 +88,22 @@ class MoEConfig:
             )
         if self.hidden_act not in activation_names():
             raise ValueError(f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}")
-        if (
-            isinstance(self.shared_expert_intermediate_size, bool)
-            or not isinstance(self.shared_expert_intermediate_size, int)
-            or self.shared_expert_intermediate_size < 0
-        ):
-            raise ValueError(
-                "shared_expert_intermediate_size must be an int >= 0 (0: no shared expert), "
-                f"got {self.shared_expert_intermediate_size!r}"
-            )
+        check_int(
+            "shared_expert_intermediate_size", self.shared_expert_intermediate_size, min_value=0
+        )
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError(
                 "shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)"
             )
-        for name in ("capacity_factor",):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_real("capacity_factor", self.capacity_factor, gt=0.0)
         for name in (
             "router_jitter",
             "router_noise_std",
             "router_aux_loss_coef",
             "router_z_loss_coef",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if self.router_jitter >= 1:
-            raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter!r}")
+            check_real(name, getattr(self, name), ge=0.0)
+        check_real("router_jitter", self.router_jitter, ge=0.0, lt=1.0)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,8 @@ class StateMixer(nn.Module):
         mixer: the recurrent mixer, e.g. :class:`~attnlab.modules.mamba.MambaMixer`.
     """
 
+    uses_token_mask = True  # the decoder layer passes the new tokens' padding
+
     def __init__(self, *, mixer: nn.Module) -> None:
         super().__init__()
         self.mixer = mixer

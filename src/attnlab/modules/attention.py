@@ -240,6 +240,17 @@ class MultiHeadAttention(nn.Module):
         if isinstance(cache, CrossAttentionCache):
             cache.store(k, v)
         elif cache is not None:
+            name = self.backend if backend is None else backend
+            if (
+                call is not None
+                and call.block_size
+                and name != "auto"
+                and _get_backend(name).reads_blocks
+            ):  # a paged cache's pools and block tables, no gather
+                k, v, table = cache.update_blocks(k, v, start=cache_start)  # type: ignore[attr-defined]
+                return self._attend(
+                    q, k, v, mask, is_causal, need_weights, q_positions, None, call, name, table
+                )
             k, v = cache.update(k, v, start=cache_start)  # [b, H_kv, S_all, h_d]
         return self._attend(
             q, k, v, mask, is_causal, need_weights, q_positions, k_positions, call, backend
@@ -299,6 +310,7 @@ class MultiHeadAttention(nn.Module):
         k_positions: Tensor | None = None,
         call: AttentionCall | None = None,
         backend: str | None = None,
+        block_table: object | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         b, _, length, _ = q.shape
         dropout = self.dropout if self.training else 0.0
@@ -329,6 +341,7 @@ class MultiHeadAttention(nn.Module):
                 backend=self.backend if backend is None else backend,
                 q_positions=q_positions,
                 k_positions=k_positions,
+                block_table=block_table,
             )
         out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H*h_d]
         return self.out_proj(out), weights

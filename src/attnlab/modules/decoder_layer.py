@@ -116,6 +116,7 @@ class DecoderLayer(nn.Module):
         cross_cache: CrossAttentionCache | None = None,
         cross_call: AttentionCall | None = None,
         need_weights: bool = False,
+        token_mask: Tensor | None = None,
     ) -> DecoderLayerOutput:
         """``[B, L, D] -> (hidden [B, L, D], self weights, cross weights, router logits)``.
 
@@ -136,7 +137,15 @@ class DecoderLayer(nn.Module):
             cross_cache: this layer's cross-attention cache.
             cross_call: the cross-attention call the model built for this forward.
             need_weights: return the attention weights.
+            token_mask: ``[B, L]`` 1/0 over the new tokens, for a mixer that carries a
+                state across tokens (``uses_token_mask``: padded steps leave it unchanged);
+                attention reads padding from ``attn_mask``.
         """
+        state_kw = (
+            {"token_mask": token_mask}
+            if getattr(self.self_attention, "uses_token_mask", False)
+            else {}
+        )
 
         def self_attn(h: Tensor) -> tuple[Tensor, Tensor | None]:
             out: tuple[Tensor, Tensor | None] = self.self_attention(
@@ -151,6 +160,7 @@ class DecoderLayer(nn.Module):
                 need_weights=need_weights,
                 call=call,
                 backend=backend,
+                **state_kw,
             )
             return out
 

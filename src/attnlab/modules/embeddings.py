@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_index_range, check_integer_tensor, check_tensor
 
 __all__ = ["Embeddings"]
 
@@ -116,9 +116,7 @@ class Embeddings(nn.Module):
 
 
 def _check_ids(name: str, ids: Tensor, upper: int, shape: tuple[int, ...] | None = None) -> Tensor:
-    check_tensor(name, ids)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {ids.dtype}")
+    check_integer_tensor(name, ids)
     if shape is None:
         if ids.dim() != 2:
             raise ValueError(f"{name} must be (batch, seq_len), got shape {tuple(ids.shape)}")
@@ -131,8 +129,4 @@ def _check_ids(name: str, ids: Tensor, upper: int, shape: tuple[int, ...] | None
             ok = False
         if ids.dim() != 2 or not ok:
             raise ValueError(f"{name} has shape {tuple(ids.shape)}, expected {shape}")
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= upper:
-            raise ValueError(f"{name} must be in [0, {upper}), got values in [{lo}, {hi}]")
-    return ids
+    return check_index_range(name, ids, upper)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from attnlab._validate import check_int, check_real
 
 __all__ = ["ParamError", "SamplingParams"]
 
@@ -17,29 +18,19 @@ class ParamError(ValueError):
 
 
 def _int(name: str, value: object, *, low: int, high: int | None = None) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ParamError(name, f"{name} must be an integer {bound}, got {value!r}")
-    return value
+    try:
+        return check_int(name, value, min_value=low, max_value=high)
+    except ValueError as e:
+        raise ParamError(name, str(e)) from None
 
 
 def _float(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> float:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and (value > low if low_open else value >= low)
-        and value <= high
-    )
-    if not ok:
-        left = "(" if low_open else "["
-        raise ParamError(name, f"{name} must be a number in {left}{low}, {high}], got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    try:
+        if low_open:
+            return check_real(name, value, gt=low, le=high)
+        return check_real(name, value, ge=low, le=high)
+    except (ValueError, TypeError) as e:
+        raise ParamError(name, str(e)) from None
 
 
 @dataclass(frozen=True)

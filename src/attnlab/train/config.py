@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self
 
-from attnlab.functional._checks import check_positive_int, check_probability
+from attnlab.functional._checks import check_int, check_positive_int, check_probability, check_real
 
 __all__ = [
     "DataConfig",
@@ -59,13 +59,11 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 def _non_negative_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_int(name, value, min_value=0)
 
 
 def _positive_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    check_real(name, value, gt=0.0)
 
 
 class _Section:
@@ -130,10 +128,7 @@ class DataConfig(_Section):
             check_positive_int(f"data.{name}", getattr(self, name))
         for name in ("max_train_bytes", "max_eval_bytes"):
             _non_negative_int(f"data.{name}", getattr(self, name))
-        if not isinstance(self.heldout_percent, int) or not 0 < self.heldout_percent < 100:
-            raise ValueError(
-                f"data.heldout_percent must be an int in (0, 100), got {self.heldout_percent!r}"
-            )
+        check_int("data.heldout_percent", self.heldout_percent, min_value=1, max_value=99)
         check_probability("data.mlm_probability", self.mlm_probability)
         if self.source == "files" and not self.paths:
             raise ValueError("data.source = 'files' needs data.paths (files or folders)")
@@ -168,14 +163,10 @@ class OptimConfig(_Section):
         _positive_float("optim.lr", self.lr)
         _positive_float("optim.eps", self.eps)
         for name in ("min_lr_ratio", "beta1", "beta2"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
-                raise ValueError(f"optim.{name} must be in [0, 1], got {v!r}")
+            check_real(f"optim.{name}", getattr(self, name), ge=0.0, le=1.0)
         _non_negative_int("optim.warmup_steps", self.warmup_steps)
         for name in ("weight_decay", "grad_clip"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ValueError(f"optim.{name} must be a number >= 0, got {v!r}")
+            check_real(f"optim.{name}", getattr(self, name), ge=0.0)
 
 
 @dataclass

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import shutil
 import sysconfig
 import time
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.distill import attention_kl, hidden_state_loss
 from attnlab.train.trainer import lr_multiplier
 
@@ -98,21 +98,14 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_length", "train_sentences", "eval_sentences"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"DistillConfig.{name} must be a positive int, got {v!r}")
-        if not self.layers or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers
-        ):
-            raise ValueError(
-                f"DistillConfig.layers must be non-negative layer indices, got {self.layers!r}"
-            )
-        for name in ("lr", "attention_weight", "hidden_weight"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"DistillConfig.{name} must be a finite number >= 0, got {v!r}")
-        if self.lr <= 0:
-            raise ValueError(f"DistillConfig.lr must be > 0, got {self.lr!r}")
+            check_positive_int(f"DistillConfig.{name}", getattr(self, name))
+        if not self.layers:
+            raise ValueError("DistillConfig.layers must name at least one teacher layer, got ()")
+        for i in self.layers:
+            check_int("DistillConfig.layers[i]", i, min_value=0)
+        check_real("DistillConfig.lr", self.lr, gt=0.0)
+        for name in ("attention_weight", "hidden_weight"):
+            check_real(f"DistillConfig.{name}", getattr(self, name), ge=0.0)
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):

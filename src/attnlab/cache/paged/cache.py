@@ -21,6 +21,7 @@ from torch import Tensor
 from attnlab.cache.base import KVCache, Start
 
 if TYPE_CHECKING:
+    from attnlab.backends.paged import BlockTable
     from attnlab.cache.paged.pool import PagedKVPool, SeqId, StepBatch
 
 __all__ = ["PagedKVCache"]
@@ -65,7 +66,31 @@ class PagedKVCache(KVCache):
             raise ValueError(f"the step starts at slot {step.start}, got start={start}")
         return step
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the pool (a paged call's ``AttentionCall.block_size``)."""
+        return self.pool.block_size
+
     def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
+        step = self._write(key, value, start)
+        b, h, _, d = key.shape
+        kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
+        t = step.total
+        keys = kp.index_select(0, step.gather).view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
+        values = vp.index_select(0, step.gather).view(b, t, h, -1).transpose(1, 2)
+        return keys, values
+
+    def update_blocks(
+        self, key: Tensor, value: Tensor, *, start: Start
+    ) -> tuple[Tensor, Tensor, BlockTable]:
+        """Store the new keys/values like :meth:`update`, but return the layer's pools
+        (``[N * bs, H_kv, h_d]``) and the step's block tables instead of gathering: the
+        input of a backend that reads blocks (:mod:`attnlab.backends.paged`)."""
+        step = self._write(key, value, start)
+        assert step.blocks is not None  # every step the pool lays out has its tables
+        return self.pool.keys[self.layer], self.pool.values[self.layer], step.blocks
+
+    def _write(self, key: Tensor, value: Tensor, start: Start) -> StepBatch:
         start = int(start)  # the pool lays out its steps by int slots (host side)
         if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
             raise ValueError(
@@ -83,12 +108,9 @@ class PagedKVCache(KVCache):
             k_new, v_new = k_new.index_select(0, step.src), v_new.index_select(0, step.src)
         kp.index_copy_(0, step.dst, k_new)
         vp.index_copy_(0, step.dst, v_new)
-        t = step.total
-        keys = kp.index_select(0, step.gather).view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
-        values = vp.index_select(0, step.gather).view(b, t, h, -1).transpose(1, 2)
         if self.pool._implicit:
             self.length = start + n
-        return keys, values
+        return step
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Fork a sequence in every layer of the pool (block tables are shared by the layers)."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnlab.backends.paged import BlockTable
 from attnlab.cache.kv_cache import ModelCache
 from attnlab.cache.paged.allocator import BlockAllocator, OutOfBlocks, block_hash
 from attnlab.functional._checks import check_positive_int
@@ -79,6 +80,7 @@ class StepBatch:
     dst: Tensor = field(repr=False, default_factory=lambda: torch.empty(0))
     gather: Tensor = field(repr=False, default_factory=lambda: torch.empty(0))
     all_new: bool = False  # every input position is a new token (no selection needed)
+    blocks: BlockTable | None = field(repr=False, default=None)  # for the paged backend
 
     @property
     def total(self) -> int:
@@ -416,6 +418,13 @@ class PagedKVPool:
         uniform = min(totals) == t
         mask = None if uniform else valid.long()
         input_ids = torch.tensor(rows_ids, dtype=torch.long)
+        block_table = BlockTable(
+            table=table.to(dev),
+            block_size=bs,
+            lengths=tuple(totals),
+            offsets=tuple(t - n for n in totals),
+            first_block=tuple(0 for _ in seqs),
+        )
         return StepBatch(
             seq_ids=[],
             num_new=num_new,
@@ -426,6 +435,7 @@ class PagedKVPool:
             dst=torch.tensor(dst, dtype=torch.long, device=dev),
             gather=phys.reshape(-1).to(dev),
             all_new=len(src) == b * width,
+            blocks=block_table,
         )
 
     def end_step(self) -> None:

@@ -252,8 +252,7 @@ class MaskPattern:
         for name, n in (("q_len", q_len), ("kv_len", kv_len)):
             _check_len(name, n)
         for name, n in (("block_q", block_q), ("block_k", block_k)):
-            if _check_len(name, n) < 1:
-                raise ValueError(f"{name} must be >= 1, got {n}")
+            _check_len(name, n, min_value=1)
         band = self._tile_band()
         if band is not None:
             return counting.band_tile_pairs(*band, q_offset, q_len, kv_len, block_q, block_k)
@@ -340,8 +339,7 @@ class MaskPattern:
         for name, n in (("q_len", q_len), ("kv_len", kv_len)):
             _check_len(name, n)
         for name, n in (("block_q", block_q), ("block_k", block_k)):
-            if _check_len(name, n) < 1:
-                raise ValueError(f"{name} must be >= 1, got {n}")
+            _check_len(name, n, min_value=1)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         qp, kp = _positions_for(q_len, kv_len, q_offset, dev, q_positions, k_positions)
         r = _BlockRanges(qp.to(dev), kp.to(dev), block_q, block_k)

@@ -12,20 +12,17 @@ import torch
 from torch import Tensor
 
 from attnlab.counting import INT64_MAX
-from attnlab.functional._checks import check_tensor
+from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
 
 __all__ = ["causal_mask", "combine", "lengths_mask", "padding_mask"]
 
 
-def _check_len(name: str, n: object) -> int:
-    """Return ``n`` if it is an int in ``[0, 2**63 - 1]``; raise naming ``name`` otherwise."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    if n > INT64_MAX:
-        raise ValueError(f"{name} must fit in int64 (<= {INT64_MAX}), got {n}")
-    return n
+def _check_len(name: str, n: object, *, min_value: int = 0) -> int:
+    """Return ``n`` if it is an int in ``[min_value, 2**63 - 1]``; raise naming ``name`` otherwise."""
+    value = check_int(name, n, min_value=min_value)
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 (<= {INT64_MAX}), got {value}")
+    return value
 
 
 def causal_mask(
@@ -51,8 +48,7 @@ def causal_mask(
     kv_len = q_len if kv_len is None else kv_len
     _check_len("q_len", q_len)
     _check_len("kv_len", kv_len)
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    check_int("offset", offset)
     q = torch.arange(q_len, device=device).unsqueeze(-1) + offset  # [L, 1]
     k = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, S]
     return k <= q
@@ -73,21 +69,9 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
         TypeError: not a tensor.
         ValueError: not 2-D, or values other than 0 and 1.
     """
-    check_tensor("attention_mask", attention_mask)
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must be (batch, seq_len) of 1/0, got shape "
-            f"{tuple(attention_mask.shape)}"
-        )
     # A compiled step (no host sync allowed) gets a mask its caller validated on entry.
-    if attention_mask.dtype != torch.bool and not torch.compiler.is_compiling():
-        bad = (attention_mask != 0) & (attention_mask != 1)
-        if bool(bad.any()):
-            values = torch.unique(attention_mask[bad])[:5].tolist()
-            raise ValueError(
-                f"attention_mask must hold only 1 (token) and 0 (padding), found {values}; "
-                "an additive float mask goes to attn_mask instead"
-            )
+    if not torch.compiler.is_compiling():
+        check_binary_mask("attention_mask", attention_mask)
     return attention_mask.bool()[:, None, None, :]
 
 

@@ -180,9 +180,7 @@ class Dilated(MaskPattern):
 
     def __init__(self, window: int, dilation: int, causal: bool = False) -> None:
         self.window = _check_len("window", window)
-        self.dilation = _check_len("dilation", dilation)
-        if dilation < 1:
-            raise ValueError(f"dilation must be >= 1, got {dilation}")
+        self.dilation = _check_len("dilation", dilation, min_value=1)
         self.causal = causal
 
     def _params(self) -> tuple[object, ...]:
