@@ -397,7 +397,7 @@ def calibrate(rounds: int = 2) -> None:
     from attnlab.backends import AttentionCall
     from attnlab.backends.cost_model import computed_pairs, units
     from attnlab.backends.flex import BLOCK_SIZE
-    from attnlab.backends.sparse import BLOCK
+    from attnlab.backends.sparse import BLOCK, _banded_pairs
     from attnlab.backends.tiled import BLOCK_K, BLOCK_Q
     from attnlab.functional import masks
 
@@ -440,13 +440,17 @@ def calibrate(rounds: int = 2) -> None:
                 return_weights=False,
             )
             for name in names:
-                if name in blocks:
+                row = name
+                band = _banded_pairs(call) if name == "sparse" else None
+                if band is not None:  # the sparse backend's banded path: its own constants
+                    row, pairs = "sparse_band", band
+                elif name in blocks:
                     pairs = computed_pairs(call, *blocks[name])
                 elif name == "sdpa" and mask == "causal":
                     pairs = L * L / 2  # the flash path: "sdpa_flash" in the table
                 else:
                     pairs = L * L
-                points.setdefault((name, bwd), []).append((units(call, pairs), best[name]))
+                points.setdefault((row, bwd), []).append((units(call, pairs), best[name]))
             line = ", ".join(f"{n} {best[n] * 1e3:.1f}" for n in names)
             print(
                 f"# {mask} L={L} {'fwd+bwd' if bwd else 'fwd'} (ms): {line}",
@@ -466,7 +470,7 @@ def calibrate(rounds: int = 2) -> None:
         table.setdefault(name, {})["fwd_bwd" if bwd else "fwd"] = (icpt, slope)
     table["flex"]["fwd_bwd"] = (1e-3, 3 * table["flex"]["fwd"][1])  # no CPU backward: a guess
     print(f'    "{torch.device(dev).type}": {{')
-    for b in ("reference", "sdpa", "tiled", "sparse", "flex"):
+    for b in ("reference", "sdpa", "tiled", "sparse", "sparse_band", "flex"):
         row = table[b]
         items = ", ".join(
             f'"{k}": ({a:.2g}, {s:.3g})' for k, (a, s) in sorted(row.items(), reverse=True)

@@ -140,7 +140,10 @@ TRAITS: dict[str, BackendTraits] = {
         accepts_patterns=True,
         accepts_positions=True,
         priority=40,
-        description="gathers only the key blocks a pattern needs: time and memory ~ L*w",
+        description=(
+            "computes only the key blocks a pattern needs (a band of blocks in place, "
+            "else gathered): time and memory ~ L*w"
+        ),
         refuses=("dropout", "dense masks"),
         block=(64, 64),
     ),

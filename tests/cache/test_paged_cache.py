@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from attnlab import backends
 from attnlab.cache import OutOfBlocks, PagedKVPool
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
@@ -43,8 +44,10 @@ def test_generate_with_a_paged_cache_equals_contiguous(family: str) -> None:
     pool = PagedKVPool.for_model(model, num_blocks=32, block_size=4)
     cache = pool.model_cache()
     assert torch.equal(model.generate(ids, 9, attention_mask=mask, cache=cache), ref)
-    assert pool.num_used_blocks == 3 * 4  # 16 slots per row in blocks of 4
-    assert cache.layers[0].nbytes() == 12 * 4 * 2 * (2 * 8) * 4
+    # 16 slots per row in blocks of 4; Mistral's window (6) freed all but the last 2
+    held = 3 * (2 if family == "mistral" else 4)
+    assert pool.num_used_blocks == held
+    assert cache.layers[0].nbytes() == held * 4 * 2 * (2 * 8) * 4
     cache.reset()
     assert pool.num_used_blocks == 0
 
@@ -136,3 +139,36 @@ def test_paged_steps_equal_contiguous_over_a_random_mix(family: str) -> None:
         hits += pool.allocator.hits
         copies += pool.copies
     assert hits > 0 and copies > 0  # prefix hits and copy-on-write happened
+
+
+@pytest.mark.parametrize("backend", ["auto", "paged"])
+def test_mistral_frees_blocks_behind_its_window(backend: str) -> None:
+    # a long generation holds at most ceil(W / bs) + 1 blocks per sequence, and still
+    # equals contiguous (rolling window) decoding
+    model = _model("mistral")  # sliding_window=6
+    window, bs = 6, 4
+    ids = torch.randint(0, 97, (2, 9))
+    ref = model.generate(ids, 40)
+    pool = PagedKVPool.for_model(model, num_blocks=16, block_size=bs)
+    assert pool.sliding_window == window
+    bound = 2 * (-(-window // bs) + 1)
+    tokens = []
+    with backends.use(backend):
+        for tok in model.stream(ids, 40, cache=pool.model_cache()):
+            assert pool.num_used_blocks <= bound
+            tokens.append(tok)
+    assert torch.equal(torch.cat([ids, torch.stack(tokens, 1)], 1), ref)
+    # 49 tokens per row would need 13 blocks each without freeing: the pool has 16
+    assert max(s.first_live for s in pool.seqs.values()) >= 10
+    pool.reset()
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == 16
+
+
+def test_windowed_pool_keeps_forks_and_prefix_hits_exact() -> None:
+    model = _model("mistral")
+    for seed, num_blocks in ((2, 64), (3, 9)):
+        pool = PagedKVPool.for_model(model, num_blocks=num_blocks, block_size=2)
+        out, prompts = _run_mix(model, pool, seed)
+        for sid, toks in out.items():
+            prompt = torch.tensor([prompts[sid]])
+            assert model.generate(prompt, len(toks))[0, prompt.shape[1] :].tolist() == toks

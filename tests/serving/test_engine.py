@@ -75,7 +75,9 @@ def test_engine_greedy_equals_generate_with_prefix_hits_forks_and_preemption(
         for c in choices:
             assert c.token_ids == ref and c.finish_reason == "length"
             assert c.text == tokenizer.decode(ref, skip_special_tokens=True)
-    assert engine.metrics.preemptions > 0
+    # except for Mistral, whose sequences return the blocks behind their window of 6 (at
+    # most 3 blocks each): the engine's admission then never runs out
+    assert engine.metrics.preemptions > 0 or family == "mistral"
     assert engine.pool.allocator.hits > 0
     assert engine.pool.num_used_blocks == 0 and not engine.requests
 

@@ -22,6 +22,19 @@ small per-call overheads, and ``reference``'s forward (two points of equal size)
 per-unit cost at 2048; ``sdpa`` was split into its flash and masked paths, whose
 per-unit costs differ. Estimates are therefore one-thread times: what matters to
 ``auto`` is their ranking, which the benchmark checks cell by cell.
+
+``"sparse_band"`` is the sparse backend's banded path (:mod:`attnlab.backends.banded`:
+a band of key blocks read in place, plus a few single keys), whose units count the pairs
+it computes (``L * (|D| * b + X)``, weighted by the block's relative time per pair,
+``BAND_BLOCKS``). It was added later, on a more loaded machine, so it is scaled from
+``tiled``'s constants by the per-unit ratio measured in the same run (one thread,
+process time, sliding window 512, best of three; the cells of ``--calibrate``, which
+now fits a ``sparse_band`` row of its own): 1.26x and 1.32x ``tiled``'s per-unit time
+forward at 8192 and 2048 tokens (6.5e-9 taken; the two take the same time there, the
+band computing fewer pairs), 2.3x and 2.6x forward + backward at 1024 and 2048 (autograd
+through the per-offset products; 3.9e-8 taken). So a plain window stays with ``tiled``,
+while Longformer's window + global keys, whose global columns cost ``tiled`` up to three
+more 256-wide tiles per row, goes to the band (2.4x faster than ``tiled`` at 4096 tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ CONSTANTS: dict[str, dict[str, dict[str, Pair]]] = {
         "sdpa": {"fwd": (1e-4, 3.5e-9), "fwd_bwd": (5e-4, 2.1e-8)},
         "tiled": {"fwd": (2e-3, 5.0e-9), "fwd_bwd": (5e-3, 1.6e-8)},
         "sparse": {"fwd": (5e-3, 1.1e-8), "fwd_bwd": (5e-3, 5.9e-8)},
+        "sparse_band": {"fwd": (2e-3, 6.5e-9), "fwd_bwd": (5e-3, 3.9e-8)},
         "flex": {"fwd": (1e-3, 2.8e-9), "fwd_bwd": (1e-3, 8.3e-9)},
         "weights": {"fwd": (0.0, 6.0e-9), "fwd_bwd": (0.0, 6.0e-9)},
     },

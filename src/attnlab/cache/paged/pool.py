@@ -55,6 +55,11 @@ class _Sequence:
     reserved: int = 0  # tokens that have slots (>= computed)
     hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
     hashable: bool = True  # token ids are known (False for rows of a plain generate)
+    first_live: int = 0  # leading blocks freed behind a sliding window (entries are FREED)
+
+
+#: A block-table entry whose block was freed (wholly outside the sliding window).
+FREED = -1
 
 
 @dataclass
@@ -100,6 +105,10 @@ class PagedKVPool:
         dtype, device: of the pools.
         value_head_dim: head dim of values when it differs from keys'.
         prefix_caching: register full blocks by content hash and reuse them.
+        sliding_window: the model's window ``W`` (a query at ``p`` sees keys
+            ``p - W + 1 .. p``, Mistral's convention), or None: after each step, a
+            sequence's blocks wholly before its next query's window are returned to the
+            pool, so a sequence holds at most ``ceil(W / bs) + 1`` blocks.
 
     Raises:
         ValueError: a size that is not a positive int.
@@ -117,6 +126,7 @@ class PagedKVPool:
         device: torch.device | str | None = None,
         value_head_dim: int | None = None,
         prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -133,6 +143,9 @@ class PagedKVPool:
         )
         from attnlab.cache.paged.cache import PagedKVCache
 
+        if sliding_window is not None:
+            check_positive_int("sliding_window", sliding_window)
+        self.sliding_window = sliding_window
         self.num_layers = num_layers
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -157,7 +170,8 @@ class PagedKVPool:
     def for_model(
         cls, model: torch.nn.Module, *, num_blocks: int, block_size: int = 16, **kwargs: object
     ) -> PagedKVPool:
-        """A pool shaped for an attnlab decoder (layers, key/value heads, head dim, dtype, device)."""
+        """A pool shaped for an attnlab decoder (layers, key/value heads, head dim, dtype,
+        device, and its sliding window)."""
         config = getattr(model, "config", None)
         needed = ("num_hidden_layers", "num_key_value_heads", "head_dim")
         if config is None or not all(getattr(config, n, None) for n in needed):
@@ -165,7 +179,11 @@ class PagedKVPool:
                 f"a paged pool needs a decoder with a DecoderConfig, got {type(model).__name__}"
             )
         p = next(model.parameters())
-        opts: dict = {"dtype": p.dtype, "device": p.device} | dict(kwargs)
+        opts: dict = {
+            "dtype": p.dtype,
+            "device": p.device,
+            "sliding_window": getattr(config, "sliding_window", None),
+        } | dict(kwargs)
         return cls(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
@@ -205,6 +223,8 @@ class PagedKVPool:
         bs = self.block_size
         for s in self.seqs.values():
             for i, blk in enumerate(s.blocks):
+                if blk == FREED:
+                    continue
                 n = min(bs, max(0, s.computed - i * bs))
                 if n > fill.get(blk, 0):
                     fill[blk] = n
@@ -326,7 +346,7 @@ class PagedKVPool:
             raise ValueError(f"sequence {child!r} already exists")
         if p.reserved != p.computed:
             raise ValueError(f"sequence {parent!r} is inside a step; fork it between steps")
-        for blk in p.blocks:
+        for blk in p.blocks[p.first_live :]:
             self.allocator.incref(blk)
         self.seqs[child] = _Sequence(
             blocks=list(p.blocks),
@@ -335,6 +355,7 @@ class PagedKVPool:
             reserved=p.reserved,
             hashes=list(p.hashes),
             hashable=p.hashable,
+            first_live=p.first_live,
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -342,7 +363,7 @@ class PagedKVPool:
         s = self.seqs.pop(seq_id, None)
         if s is None:
             raise ValueError(f"unknown sequence {seq_id!r}")
-        for blk in reversed(s.blocks):  # the prefix's blocks become the most recent
+        for blk in reversed(s.blocks[s.first_live :]):  # the prefix's become the most recent
             self.allocator.release(blk)
 
     def reset(self) -> None:
@@ -408,7 +429,9 @@ class PagedKVPool:
             src.extend(range(r * width + width - n, (r + 1) * width))
             blocks = s.blocks
             dst.extend(blocks[p // bs] * bs + p % bs for p in range(s.computed, s.computed + n))
-            tables.append(blocks + [0] * (nb - len(blocks)))
+            # a freed block reads block 0: its slots lie outside every query's window
+            live = [0] * s.first_live + blocks[s.first_live :]
+            tables.append(live + [0] * (nb - len(blocks)))
         table = torch.tensor(tables, dtype=torch.long)  # [B, blocks]
         tot = torch.tensor(totals, dtype=torch.long)
         logical = torch.arange(t)[None, :] - (t - tot)[:, None]  # [B, T] token index per slot
@@ -423,7 +446,7 @@ class PagedKVPool:
             block_size=bs,
             lengths=tuple(totals),
             offsets=tuple(t - n for n in totals),
-            first_block=tuple(0 for _ in seqs),
+            first_block=tuple(s.first_live for s in seqs),
         )
         return StepBatch(
             seq_ids=[],
@@ -449,8 +472,24 @@ class PagedKVPool:
                 continue
             s.computed += n
             self._register_full_blocks(s)
+            self._free_behind_window(s)
         self.step = None
         self._implicit = False
+
+    def _free_behind_window(self, s: _Sequence) -> None:
+        """Return the leading blocks no later query of ``s`` can see to the pool.
+
+        The next query sits at token ``s.computed`` and sees tokens from
+        ``s.computed - W + 1`` on; block ``i`` ends at token ``(i + 1) * bs - 1``.
+        """
+        w = self.sliding_window
+        if w is None:
+            return
+        bs = self.block_size
+        while s.first_live < len(s.blocks) and (s.first_live + 1) * bs + w - 1 <= s.computed:
+            self.allocator.release(s.blocks[s.first_live])
+            s.blocks[s.first_live] = FREED
+            s.first_live += 1
 
     def _register_full_blocks(self, s: _Sequence) -> None:
         if not (self.prefix_caching and s.hashable):
