@@ -138,3 +138,15 @@ def test_recall_runs_split_by_architecture_combine_into_one_table(tmp_path: Path
     assert (tmp_path / "all" / "plot.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="kinds"):
         recall.run(smoke=True, out=tmp_path / "x", kinds=("rnn",), progress=False)
+
+
+def test_gqa_quick_run_orders_layouts_as_published(tmp_path: Path) -> None:
+    """The one --quick run of the suite (about 20 CPU seconds): loose, qualitative."""
+    r = run_experiment("gqa", quick=True, out=tmp_path, progress=False)
+    mha, *grouped = r.rows
+    for row in grouped:
+        # uptraining improves on the mean-pooled start, and never beats the MHA it came from
+        assert row["uptrained_bpb"] < row["converted_bpb"]
+        assert row["uptrained_bpb"] > 0.98 * mha["uptrained_bpb"]
+    assert grouped[-1]["layout"] == "MQA"
+    assert grouped[-1]["uptrained_bpb"] >= grouped[0]["uptrained_bpb"]  # MQA no better than GQA-4
