@@ -90,9 +90,7 @@ def main() -> None:
     window = M.sliding_window(SHAPE["window"] - 1)
     dense = window.to_dense(n, n)  # what transformers' sdpa path hands torch: [L, L] bool
     slots = torch.arange(n)[None]  # the model's call carries its slots
-    chosen = explain(
-        q, k, v, window, enable_gqa=True, q_positions=slots, k_positions=slots
-    ).chosen
+    chosen = explain(q, k, v, window, enable_gqa=True, q_positions=slots, k_positions=slots).chosen
     t = {k: [] for k in ("ours", "hf", "ours_attn", "hf_attn")}  # type: dict[str, list[float]]
     with torch.inference_mode():
         a = ours(ids, logits_to_keep=1).logits
