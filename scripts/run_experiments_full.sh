@@ -25,7 +25,7 @@ out=${1:?usage: scripts/run_experiments_full.sh OUT_DIR [experiment flags]}
 shift
 mkdir -p "$out"
 work=$(mktemp -d)
-read -r -a names <<<"${EXPERIMENTS:-extrapolation selective-copy gqa induction}"
+read -r -a names <<<"${EXPERIMENTS-extrapolation selective-copy gqa induction}"
 kinds=("attention" "linear attention" "mamba" "rwkv" "retnet")
 [ "${RECALL:-1}" = 0 ] && kinds=()
 cap=${EXPERIMENT_TIMEOUT:-420}
