@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
+from attnlab.backends import explain
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention
 
@@ -51,18 +52,34 @@ def build(seq_len: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     return hf, attnlab.from_hf(hf)
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn: object, *args: object, **kw: object) -> float:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn(*args, **kw)  # type: ignore[operator]
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall clock, or this process's CPU time (steadier on a shared machine; use with "
+        "--threads 1)",
+    )
     p.add_argument("--update-docs", action="store_true")
     args = p.parse_args()
+    global CLOCK
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        CLOCK = time.process_time
     n = args.seq_len
     hf, ours = build(n)
     ids = torch.randint(0, SHAPE["vocab"], (1, n), generator=torch.Generator().manual_seed(0))
@@ -72,6 +89,8 @@ def main() -> None:
     k, v = (torch.randn(1, SHAPE["kv_heads"], n, hd, generator=g) for _ in range(2))
     window = M.sliding_window(SHAPE["window"] - 1)
     dense = window.to_dense(n, n)  # what transformers' sdpa path hands torch: [L, L] bool
+    slots = torch.arange(n)[None]  # the model's call carries its slots
+    chosen = explain(q, k, v, window, enable_gqa=True, q_positions=slots, k_positions=slots).chosen
     t = {k: [] for k in ("ours", "hf", "ours_attn", "hf_attn")}  # type: dict[str, list[float]]
     with torch.inference_mode():
         a = ours(ids, logits_to_keep=1).logits
@@ -81,7 +100,16 @@ def main() -> None:
             t["ours"].append(timed(ours, ids, logits_to_keep=1))
             t["hf"].append(timed(hf, ids, logits_to_keep=1))
             t["ours_attn"].append(
-                timed(scaled_dot_product_attention, q, k, v, window, enable_gqa=True)
+                timed(
+                    scaled_dot_product_attention,
+                    q,
+                    k,
+                    v,
+                    window,
+                    enable_gqa=True,
+                    q_positions=slots,
+                    k_positions=slots,
+                )
             )
             t["hf_attn"].append(
                 timed(F.scaled_dot_product_attention, q, k, v, attn_mask=dense, enable_gqa=True)
@@ -91,7 +119,8 @@ def main() -> None:
     lines = [
         f"Mistral-shaped prefill ({SHAPE}), {n} tokens, batch 1, float32, last token's "
         f"logits, median of {args.repeats} alternating runs, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s); max |logit difference| {diff:.2e}:",
+        f"{torch.get_num_threads()} thread(s), {args.clock} clock; `auto` runs the window on "
+        f"`{chosen}`; max |logit difference| {diff:.2e}:",
         "",
         "| | forward, s | attention share | speed-up |",
         "|---|---|---|---|",

@@ -137,3 +137,24 @@ def test_cost_model_counts_tiles() -> None:
     pairs = cost_model.computed_pairs(call, 256, 256)
     assert pairs == 10 * 256 * 256  # 4 x 4 tiles, the lower triangle with the diagonal
     assert cost_model.units(call, pairs) == pairs
+
+
+def test_a_models_decode_step_is_costed_at_its_slot() -> None:
+    """A call with positions has its queries at the newest slots: one causal query after a
+    4096-slot cache sees every key tile, not only the first (which put `auto` on `tiled`,
+    13x slower than sdpa, for padded decode steps)."""
+    q = torch.zeros(4, 8, 1, 64)
+    k = torch.zeros(4, 2, 4096, 64)
+    mask = torch.ones(4, 4096, dtype=torch.long)
+    mask[::2, :100] = 0
+    pattern = M.causal() & M.padding(mask)
+    call = backends.AttentionCall.from_inputs(
+        q, k, k, pattern, dropout_p=0.0, is_causal=False, enable_gqa=True,
+        return_weights=False, positions=True,
+    )  # fmt: skip
+    assert cost_model.computed_pairs(call, 256, 256) == 1 * 4096  # every key tile
+    slots = torch.arange(4096)[None]
+    chosen = explain(
+        q, k, k, pattern, enable_gqa=True, q_positions=slots[:, -1:], k_positions=slots
+    ).chosen
+    assert chosen == "sdpa"  # nothing to skip: torch's kernel on the dense padding row

@@ -21,6 +21,10 @@ LINES = [
 ]
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"not strict JSON: {name}")
+
+
 @pytest.fixture
 def notes(tmp_path: Path) -> Path:
     path = tmp_path / "notes.txt"
@@ -41,7 +45,9 @@ def test_npy_rows_equal_the_library(notes: Path, tmp_path: Path) -> None:
 def test_jsonl_on_stdout(notes: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["embed", str(notes), "--explain"]) == 0
     captured = capsys.readouterr()
-    rows = [json.loads(line) for line in captured.out.splitlines()]
+    rows = [  # strict JSON lines: NaN / Infinity would raise
+        json.loads(line, parse_constant=_no_constant) for line in captured.out.splitlines()
+    ]
     assert [r["line"] for r in rows] == [1, 2, 3, 4]
     assert rows[2]["text"] == LINES[2] and len(rows[2]["embedding"]) == 384
     assert "pooling: mean, normalised" in captured.err

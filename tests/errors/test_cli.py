@@ -194,6 +194,8 @@ NO_JSON = {
     "serve": "runs a server in the foreground; its output is the HTTP API",
     "train": "writes its metrics as JSON lines (metrics.jsonl) under out_dir, not to stdout",
     "experiment": "trains models for minutes; its strict results.json is checked in tests/experiments",
+    "embed": "its output is JSON lines (one object per text) or .npy, not one report; "
+    "tests/cli/test_cli_embed.py parses every line",
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnlab.experiments import EXPERIMENTS, run_experiment
+from attnlab.experiments._common import write_result
 from attnlab.experiments.gqa import mean_pool_kv
 from attnlab.experiments.induction import RepeatedTokens, prefix_matching_scores
 from attnlab.experiments.recall import MQAR
@@ -69,15 +70,20 @@ def test_mqar_answers_are_the_stored_values() -> None:
 
 def test_prefix_matching_finds_a_perfect_induction_head() -> None:
     half = 6
-    ids = RepeatedTokens(vocab_size=10, half=half, seed=0)._draw(3, 0)
-    assert torch.equal(ids[:, :half], ids[:, half:])
+    data = RepeatedTokens(vocab_size=10, half=half, seed=0)
+    ids, period = data.draw(16, 0)
     n = 2 * half
-    perfect = torch.zeros(3, 2, n, n)
+    assert ids.shape == (16, n) and int(period.min()) >= half // 2 and int(period.max()) <= half
+    assert len(set(period.tolist())) > 1  # the period varies from row to row
+    for row, m in zip(ids, period.tolist()):
+        assert torch.equal(row[n - 2 * m : n - m], row[n - m :])
+    perfect = torch.zeros(16, 2, n, n)
     perfect[..., 0] = 1.0  # head 0 attends to the first token
-    for q in range(half, n - 1):
-        perfect[:, 1, q, :] = 0.0
-        perfect[:, 1, q, q - half + 1] = 1.0  # head 1: the token after the earlier copy
-    uniform = torch.full((3, 2, n, n), 1.0 / n)
+    for r, m in enumerate(period.tolist()):
+        for q in range(n - m, n - 1):
+            perfect[r, 1, q, :] = 0.0
+            perfect[r, 1, q, q - m + 1] = 1.0  # head 1: the token after the earlier copy
+    uniform = torch.full((16, 2, n, n), 1.0 / n)
 
     class Fake:
         def eval(self) -> Fake:
@@ -86,9 +92,10 @@ def test_prefix_matching_finds_a_perfect_induction_head() -> None:
         def __call__(self, **_: object) -> SimpleNamespace:
             return SimpleNamespace(attentions=(uniform, perfect))
 
-    scores = prefix_matching_scores(Fake(), ids)  # type: ignore[arg-type]
+    scores = prefix_matching_scores(Fake(), ids, period)  # type: ignore[arg-type]
     assert scores.shape == (2, 2)
     assert scores[1, 1] == pytest.approx(1.0) and scores[0, 0] == pytest.approx(1.0 / n)
+    assert scores[1, 0] < 0.5
 
 
 def test_cli_experiment_rejects_unknown_names_and_bad_out(tmp_path: Path) -> None:
@@ -113,3 +120,33 @@ def test_cli_experiment_rejects_unknown_names_and_bad_out(tmp_path: Path) -> Non
         check=False,
     )
     assert out.returncode != 0 and "Traceback" not in out.stderr and "--out" in out.stderr
+
+
+def test_recall_runs_split_by_architecture_combine_into_one_table(tmp_path: Path) -> None:
+    from attnlab.experiments import recall
+
+    for kind in ("attention", "mamba"):
+        r = recall.run(smoke=True, out=tmp_path / kind, kinds=(kind,), progress=False)
+        assert [row["model"] for row in r.rows] == [kind]
+        write_result(r, tmp_path / kind)
+    assert "nothing to compare" in r.verdict and r.agrees is None
+    both = recall.combine([tmp_path / "mamba", tmp_path / "attention"], tmp_path / "all")
+    assert [row["model"] for row in both.rows] == ["attention", "mamba"]
+    assert both.agrees is not None and "attention reaches" in both.verdict
+    data = _strict((tmp_path / "all" / "results.json").read_text())
+    assert data["settings"]["kinds"] == ["attention", "mamba"]
+    assert (tmp_path / "all" / "plot.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="kinds"):
+        recall.run(smoke=True, out=tmp_path / "x", kinds=("rnn",), progress=False)
+
+
+def test_gqa_quick_run_orders_layouts_as_published(tmp_path: Path) -> None:
+    """The one --quick run of the suite (about 20 CPU seconds): loose, qualitative."""
+    r = run_experiment("gqa", quick=True, out=tmp_path, progress=False)
+    mha, *grouped = r.rows
+    for row in grouped:
+        # uptraining improves on the mean-pooled start, and never beats the MHA it came from
+        assert row["uptrained_bpb"] < row["converted_bpb"]
+        assert row["uptrained_bpb"] > 0.98 * mha["uptrained_bpb"]
+    assert grouped[-1]["layout"] == "MQA"
+    assert grouped[-1]["uptrained_bpb"] >= grouped[0]["uptrained_bpb"]  # MQA no better than GQA-4

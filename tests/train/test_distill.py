@@ -88,3 +88,5 @@ def test_bad_config() -> None:
         DistillConfig(layers=(-1,))
     with pytest.raises(ValueError, match="lr"):
         DistillConfig(lr=float("nan"))
+    with pytest.raises(ValueError, match="device.*'tpu'"):
+        DistillConfig(device="tpu")

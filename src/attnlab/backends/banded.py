@@ -188,12 +188,17 @@ def _extra_keys(
     keys = (cols[:, None] * block + torch.arange(block, device=device)).flatten()
     keys = keys[keys < S]  # [C*b]
     L = q_pos.shape[-1]
-    allowed = pattern.evaluate(q_pos, k_pos[:, keys])[:, 0]  # [P, L, C*b]
-    q_block = torch.arange(L, device=device) // block  # [L]
-    diff = (keys // block)[None, :] - q_block[:, None]  # [L, C*b]
     offsets = torch.tensor(plan.offsets, device=device)
-    covered = torch.isin(diff, offsets)
-    return keys[(allowed & ~covered).flatten(0, 1).any(0)]
+    k_sel = k_pos[:, keys]  # [P|1, C*b]
+    used = torch.zeros(keys.numel(), dtype=torch.bool, device=device)  # [C*b]
+    rows = max(1, (1 << 24) // max(1, keys.numel() * max(q_pos.shape[0], k_sel.shape[0])))
+    for r0 in range(0, L, rows):  # bounded memory: rows x C*b pairs at a time
+        r1 = min(L, r0 + rows)
+        allowed = pattern.evaluate(q_pos[:, r0:r1], k_sel)[:, 0]  # [P', r, C*b]
+        q_block = torch.arange(r0, r1, device=device) // block  # [r]
+        covered = torch.isin((keys // block)[None, :] - q_block[:, None], offsets)  # [r, C*b]
+        used |= (allowed & ~covered).flatten(0, 1).any(0)
+    return keys[used]
 
 
 def _block_major(x: Tensor, before: int, blocks: int, block: int) -> Tensor:

@@ -77,20 +77,26 @@ def units(call: AttentionCall, pairs: float) -> float:
 
 
 def computed_pairs(call: AttentionCall, block_q: int, block_k: int) -> float:
-    """Pairs per head a block-sparse backend with ``block_q x block_k`` tiles computes."""
+    """Pairs per head a block-sparse backend with ``block_q x block_k`` tiles computes.
+
+    A call that carries positions (a model's) has its queries at the newest slots,
+    ``S - L .. S - 1`` (a decode step or a prefill chunk after a cache); without them,
+    at ``0 .. L - 1`` (torch's ``is_causal`` convention).
+    """
     L, S = call.query_shape[-2], call.key_shape[-2]
     pattern = call.pattern._unscored() if call.pattern is not None else None
     if call.is_causal:
         pattern = causal() if pattern is None else pattern & causal()
     if pattern is None or L == 0 or S == 0:
         return float(L * S)
+    offset = S - L if call.positions and S > L else 0
     if pattern._tile_band() is not None:  # closed form, no tensors: causal, windows
-        return float(pattern.tile_pairs(L, S, block_q, block_k))
-    key = (id(call.pattern), call.is_causal, L, S, block_q, block_k)
+        return float(pattern.tile_pairs(L, S, block_q, block_k, q_offset=offset))
+    key = (id(call.pattern), call.is_causal, L, S, block_q, block_k, offset)
     hit = _pairs_cache.get(key)
     if hit is not None:
         return hit[1]
-    pairs = float(pattern.tile_pairs(L, S, block_q, block_k))
+    pairs = float(pattern.tile_pairs(L, S, block_q, block_k, q_offset=offset))
     _pairs_cache[key] = (call.pattern, pairs)  # keeps the pattern alive: ids stay unique
     if len(_pairs_cache) > _MAX_CACHED:
         _pairs_cache.popitem(last=False)

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from attnlab.cli._common import positive_int
 from attnlab.experiments import EXPERIMENTS
 
 
@@ -27,12 +28,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="the short run (~2 minutes)")
     p.add_argument("--out", help="output folder (default runs/NAME)")
     p.add_argument("--seed", type=int, default=0, help="seed (0)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="CPU threads for torch (1: the models are tiny, and on a shared machine two "
+        "threads ran a step 30x slower than one)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    import torch
 
     from attnlab.experiments import run_experiment
 
@@ -44,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"--out {str(out)!r} is not a writable folder: {e.strerror}") from None
+    torch.set_num_threads(args.threads)
     r = run_experiment(args.name, quick=args.quick, out=out, seed=args.seed, progress=not args.json)
     if args.json:
         print(json.dumps(r.to_dict(), indent=2, allow_nan=False))

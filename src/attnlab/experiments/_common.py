@@ -217,10 +217,18 @@ def _initialise(model: nn.Module, seed: int) -> None:
             nn.init.normal_(m.weight, std=0.02)
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (the trainer moves a model to CUDA when it can)."""
+    params = getattr(model, "parameters", None)
+    p = next(params(), None) if callable(params) else None
+    return p.device if p is not None else torch.device("cpu")
+
+
 @torch.no_grad()
 def mean_loss(model: nn.Module, ids: torch.Tensor, *, batch: int = 8) -> float:
     """Mean next-token loss (nats) of a decoder over rows ``ids [N, L]``."""
     model.eval()
+    ids = ids.to(model_device(model))
     total, count = 0.0, 0
     for s in range(0, len(ids), batch):
         x = ids[s : s + batch]

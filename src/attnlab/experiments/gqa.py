@@ -176,6 +176,7 @@ def run(
             out=out / "runs" / f"gqa{g}",
             progress=progress,
             warmup=0,
+            initialise=False,  # uptrain the converted weights, never a fresh draw
         )
         uptrained = mean_loss(model, eval_ids) / math.log(2)
         label = "MQA" if g == 1 else f"GQA-{g}"

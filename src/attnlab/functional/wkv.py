@@ -170,9 +170,11 @@ def wkv_chunked(
     s = wkv_empty_state(nc * b, c, like=k)
     s = (s[0].view(nc, b, c), s[1].view(nc, b, c), s[2].view(nc, b, c))
     before = []
-    for t in range(T):
+    # unbind, not kc[t]: indexing's backward fills a zero tensor of the whole [T, ...] size
+    # for every step; unbind's backward stacks the steps' gradients once
+    for m_t, k_t, v_t in zip(mc.unbind(0), kc.unbind(0), vc.unbind(0)):
         before.append(s)
-        s = _keep(mc[t], _write(s, kc[t], vc[t], w), s)
+        s = _keep(m_t, _write(s, k_t, v_t, w), s)
     # tokens (not pads) seen before position t of its chunk, and in the whole chunk
     seen = torch.cumsum(mc, dim=0) - mc  # [T, nc, B, 1]
     total = seen[-1] + mc[-1]  # [nc, B, 1]
@@ -180,10 +182,11 @@ def wkv_chunked(
     carry = state if state is not None else wkv_empty_state(b, c, like=k)
     carry = (carry[0], carry[1], carry[2])
     starts = []
-    for ci in range(nc):
+    ends = zip(total.unbind(0), s[0].unbind(0), s[1].unbind(0), s[2].unbind(0))
+    for total_c, s0, s1, s2 in ends:
         starts.append(carry)
-        decayed = (carry[0], carry[1], carry[2] - total[ci] * w)
-        carry = _merge((s[0][ci], s[1][ci], s[2][ci]), decayed)
+        decayed = (carry[0], carry[1], carry[2] - total_c * w)
+        carry = _merge((s0, s1, s2), decayed)
     start = tuple(torch.stack([st[i] for st in starts]) for i in range(3))  # [nc, B, C] each
     # 3. every token reads its local state merged with the decayed carried state
     local = tuple(torch.stack([bt[i] for bt in before]) for i in range(3))  # [T, nc, B, C]

@@ -79,6 +79,9 @@ class DistillConfig:
         train_sentences: sentences drawn from the training files.
         eval_sentences: held-out sentences for Spearman and speed.
         seed: seeds data order and initialisation.
+        device: where the student trains and the embeddings for Spearman are computed:
+            ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Encode
+            speed is always measured on the CPU (the constrained hardware the student is for).
     """
 
     layers: tuple[int, ...] = (1, 3, 5)
@@ -91,6 +94,7 @@ class DistillConfig:
     train_sentences: int = 20000
     eval_sentences: int = 500
     seed: int = 0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_length", "train_sentences", "eval_sentences"):
@@ -102,6 +106,13 @@ class DistillConfig:
         check_real("DistillConfig.lr", self.lr, gt=0.0)
         for name in ("attention_weight", "hidden_weight"):
             check_real(f"DistillConfig.{name}", getattr(self, name), ge=0.0)
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(
+                f"DistillConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                f"got {self.device!r}"
+            )
 
 
 @dataclass
@@ -112,13 +123,16 @@ class DistillResult:
         spearman: Spearman correlation of pairwise cosine similarities, student vs teacher,
             on held-out sentences.
         spearman_at_init: the same for the student before training.
-        teacher_sentences_per_s, student_sentences_per_s: encode speed on held-out sentences.
+        teacher_sentences_per_s, student_sentences_per_s: encode speed on held-out
+            sentences, on the CPU with torch's current thread count.
         speedup: student over teacher.
         teacher_layers, student_layers: depth of each.
         steps: optimiser steps run.
         final_loss: training loss of the last step.
         seconds: wall time of the training loop.
         out: the saved student folder (or None).
+        device: where the student trained.
+        threads: torch's CPU threads during the speed measurement.
     """
 
     spearman: float
@@ -132,6 +146,8 @@ class DistillResult:
     final_loss: float
     seconds: float
     out: str | None
+    device: str = "cpu"
+    threads: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,18 +280,22 @@ def _pairwise_cos(emb: Tensor) -> Tensor:
 def _encode_all(
     model: Any, tokenize: Callable[[list[str]], dict[str, Tensor]], sents: list[str], bs: int
 ) -> tuple[Tensor, float]:
-    """Embeddings of ``sents`` and the seconds it took (length-sorted batches)."""
+    """Embeddings of ``sents`` (on the CPU) and the seconds it took (length-sorted batches,
+    on the model's device)."""
     order = sorted(range(len(sents)), key=lambda i: len(sents[i]))
-    out = torch.empty(0)
+    device = next(model.parameters()).device
     parts: dict[int, Tensor] = {}
     t0 = time.perf_counter()
     for s in range(0, len(order), bs):
         idx = order[s : s + bs]
-        emb, _ = _embed(model, tokenize([sents[i] for i in idx]))
+        batch = {k: v.to(device) for k, v in tokenize([sents[i] for i in idx]).items()}
+        emb, _ = _embed(model, batch)
         for j, i in enumerate(idx):
             parts[i] = emb[j]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    out = torch.stack([parts[i] for i in range(len(sents))])
+    out = torch.stack([parts[i] for i in range(len(sents))]).cpu()
     return out, seconds
 
 
@@ -325,11 +345,19 @@ def distill_sentence_encoder(
         )
         return dict(enc)
 
+    name = cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available here; use 'cpu'")
+    device = torch.device(name)
     torch.manual_seed(cfg.seed)
     teacher = attnlab.from_hf(teacher_dir).eval()
     student = make_student(teacher, cfg.layers).train()
     for p in teacher.parameters():
         p.requires_grad_(False)
+    teacher.to(device)
+    student.to(device)
 
     train = stdlib_sentences(held_out=False, limit=cfg.train_sentences, seed=cfg.seed)
     held = stdlib_sentences(held_out=True, limit=cfg.eval_sentences, seed=cfg.seed)
@@ -339,7 +367,7 @@ def distill_sentence_encoder(
             f"{len(held)} held out)"
         )
 
-    teacher_emb, t_teacher = _encode_all(teacher, tokenize, held, cfg.batch_size)
+    teacher_emb, _ = _encode_all(teacher, tokenize, held, cfg.batch_size)
     target = _pairwise_cos(teacher_emb)
     student.eval()
     init_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
@@ -367,7 +395,7 @@ def distill_sentence_encoder(
         if len(order) < cfg.batch_size:
             order += torch.randperm(len(train), generator=g).tolist()
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        batch = tokenize([train[i] for i in idx])
+        batch = {k: v.to(device) for k, v in tokenize([train[i] for i in idx]).items()}
         want_attn = cfg.attention_weight > 0
         with torch.no_grad():
             t_emb, t_out = _embed(teacher, batch, output_attentions=want_attn)
@@ -396,12 +424,16 @@ def distill_sentence_encoder(
     seconds = time.perf_counter() - t0
     student.eval()
 
-    # speed: alternate teacher and student twice on the same batches, keep the best of each
-    s_emb, t_student = _encode_all(student, tokenize, held, cfg.batch_size)
-    _, t_teacher2 = _encode_all(teacher, tokenize, held, cfg.batch_size)
-    _, t_student2 = _encode_all(student, tokenize, held, cfg.batch_size)
-    t_teacher, t_student = min(t_teacher, t_teacher2), min(t_student, t_student2)
+    s_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
     rho = spearman(_pairwise_cos(s_emb), target)
+
+    # speed on the CPU: alternate teacher and student on the same batches, best of each
+    teacher.cpu()
+    student.cpu()
+    t_teacher = t_student = float("inf")
+    for _ in range(3):
+        t_teacher = min(t_teacher, _encode_all(teacher, tokenize, held, cfg.batch_size)[1])
+        t_student = min(t_student, _encode_all(student, tokenize, held, cfg.batch_size)[1])
 
     saved = None
     if out is not None:
@@ -418,6 +450,8 @@ def distill_sentence_encoder(
         final_loss=loss_val,
         seconds=seconds,
         out=saved,
+        device=str(device),
+        threads=torch.get_num_threads(),
     )
 
 
