@@ -223,25 +223,62 @@ def signature(
         mask_grad = attn_mask.requires_grad and torch.is_grad_enabled()
         grad = grad or mask_grad
         mask = (attn_mask.dtype == torch.bool, mask_grad)
-    return (
+    return _key(
         requested,
+        query.shape,
+        key.shape,
+        value.shape[-1],
         query.dtype,
         query.device,
-        query.shape[:-2],
-        key.shape[-3],
-        query.shape[-1],
-        value.shape[-1],
-        bucket(query.shape[-2]),
-        bucket(key.shape[-2]),
         mask,
-        is_causal,
-        dropout_p > 0,
-        enable_gqa,
-        grad,
-        return_weights,
-        positions,
-        block_size,
+        (is_causal, dropout_p > 0, enable_gqa, grad, return_weights, positions, block_size),
     )
+
+
+def _key(
+    requested: str,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    value_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    mask: Any,
+    flags: tuple[Any, ...],
+) -> tuple[Any, ...]:
+    """The one layout of a memo key (:func:`signature` from tensors, :func:`choose_call`
+    from a model's call): lengths bucketed, everything else exact."""
+    return (
+        requested,
+        dtype,
+        device,
+        tuple(q_shape[:-2]),
+        k_shape[-3],
+        q_shape[-1],
+        value_dim,
+        bucket(q_shape[-2]),
+        bucket(k_shape[-2]),
+        mask,
+        *flags,
+    )
+
+
+def _remember(
+    sig: tuple[Any, ...], lq: int, s: int, call: Callable[[], AttentionCall], backend: str
+) -> tuple[Backend, Explanation]:
+    """The memo's entry for ``sig``, or ``_choose(call(), backend)`` remembered now.
+
+    A choice of ``flex`` is remembered for the exact lengths only: whether a shape is
+    already compiled is part of its cost.
+    """
+    exact = (sig, lq, s)
+    hit = _MEMO.get(sig) or _MEMO.get(exact)
+    if hit is None:
+        why = _choose(call(), backend)
+        hit = (get(why.chosen), why)
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[exact if why.chosen == "flex" else sig] = hit
+    return hit
 
 
 def available() -> list[str]:
@@ -355,11 +392,7 @@ def _memoized(
     positions: bool,
     call: AttentionCall | None = None,
 ) -> tuple[Backend, Explanation]:
-    """The backend for this call, from the memo or chosen (and remembered) now.
-
-    A choice of ``flex`` is remembered for the exact lengths only: whether a shape is
-    already compiled is part of its cost.
-    """
+    """The backend for this call, from the memo or chosen (and remembered) now."""
     requested = backend if backend != "auto" else (_FORCED.get() or "auto")
     sig = signature(
         query,
@@ -374,12 +407,11 @@ def _memoized(
         positions=positions,
         block_size=call.block_size if call is not None else 0,
     )
-    exact = (sig, query.shape[-2], key.shape[-2])
-    hit = _MEMO.get(sig) or _MEMO.get(exact)
-    if hit is not None:
-        return hit
-    if call is None:
-        call = AttentionCall.from_inputs(
+
+    def described() -> AttentionCall:
+        if call is not None:
+            return call
+        return AttentionCall.from_inputs(
             query,
             key,
             value,
@@ -390,12 +422,8 @@ def _memoized(
             return_weights=return_weights,
             positions=positions,
         )
-    why = _choose(call, backend)
-    hit = (get(why.chosen), why)
-    if len(_MEMO) >= _MEMO_MAX:
-        _MEMO.clear()
-    _MEMO[exact if why.chosen == "flex" else sig] = hit
-    return hit
+
+    return _remember(sig, query.shape[-2], key.shape[-2], described, backend)
 
 
 def choose_call(call: AttentionCall, backend: str = "auto") -> Explanation:
@@ -411,18 +439,7 @@ def choose_call(call: AttentionCall, backend: str = "auto") -> Explanation:
         mask = None
     else:
         mask = (call.mask == "bool", call.mask_needs_grad)
-    lq, s = call.query_shape[-2], call.key_shape[-2]
-    sig = (
-        requested,
-        call.dtype,
-        call.device,
-        call.query_shape[:-2],
-        call.key_shape[-3],
-        call.query_shape[-1],
-        call.value_shape[-1],
-        bucket(lq),
-        bucket(s),
-        mask,
+    flags = (
         call.is_causal,
         call.dropout_p > 0,
         call.enable_gqa,
@@ -431,15 +448,18 @@ def choose_call(call: AttentionCall, backend: str = "auto") -> Explanation:
         call.positions,
         call.block_size,
     )
-    exact = (sig, lq, s)
-    hit = _MEMO.get(sig) or _MEMO.get(exact)
-    if hit is None:
-        why = _choose(call, backend)
-        hit = (get(why.chosen), why)
-        if len(_MEMO) >= _MEMO_MAX:
-            _MEMO.clear()
-        _MEMO[exact if why.chosen == "flex" else sig] = hit
-    return hit[1]
+    sig = _key(
+        requested,
+        call.query_shape,
+        call.key_shape,
+        call.value_shape[-1],
+        call.dtype,
+        call.device,
+        mask,
+        flags,
+    )
+    q_len, k_len = call.query_shape[-2], call.key_shape[-2]
+    return _remember(sig, q_len, k_len, lambda: call, backend)[1]
 
 
 def explain(
