@@ -63,7 +63,26 @@ def _int_start(start: Start, kind: str) -> int:
     return start
 
 
-class StaticKVCache(KVCache):
+class _TensorKVCache(KVCache):
+    """A cache that holds its keys and values as ``k``/``v`` tensors ``[B, H_kv, T, h_d]``:
+    row selection and byte counts, shared by the contiguous caches."""
+
+    k: Tensor | None
+    v: Tensor | None
+
+    def select(self, rows: Tensor) -> None:
+        if self.k is None or self.v is None:
+            return
+        rows = check_rows(rows, self.batch_size).to(self.k.device)
+        self.k = self.k.index_select(0, rows)
+        self.v = self.v.index_select(0, rows)
+        self.batch_size = rows.numel()
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.k, self.v)
+
+
+class StaticKVCache(_TensorKVCache):
     """Preallocated contiguous cache with static shapes (gpt-fast style).
 
     Keys are written in place at explicit slots and the whole buffer is returned, so a
@@ -150,19 +169,8 @@ class StaticKVCache(KVCache):
         """Forget the tokens; the buffers (and their shapes) are kept for reuse."""
         self.length = 0
 
-    def select(self, rows: Tensor) -> None:
-        if self.k is None or self.v is None:
-            return
-        rows = check_rows(rows, self.batch_size).to(self.k.device)
-        self.k = self.k.index_select(0, rows)
-        self.v = self.v.index_select(0, rows)
-        self.batch_size = rows.numel()
 
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.k, self.v)
-
-
-class DynamicKVCache(KVCache):
+class DynamicKVCache(_TensorKVCache):
     """Contiguous cache that grows as tokens arrive and returns the written prefix.
 
     Args:
@@ -212,19 +220,8 @@ class DynamicKVCache(KVCache):
         super().reset()
         self.k = self.v = None
 
-    def select(self, rows: Tensor) -> None:
-        if self.k is None or self.v is None:
-            return
-        rows = check_rows(rows, self.batch_size).to(self.k.device)
-        self.k = self.k.index_select(0, rows)
-        self.v = self.v.index_select(0, rows)
-        self.batch_size = rows.numel()
 
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.k, self.v)
-
-
-class SlidingWindowKVCache(KVCache):
+class SlidingWindowKVCache(_TensorKVCache):
     """Rolling cache that keeps only the keys/values of the last ``window`` slots.
 
     A query at slot ``q`` of a model with window ``W`` sees slots ``q-W+1 .. q``, so
@@ -272,14 +269,6 @@ class SlidingWindowKVCache(KVCache):
     def reset(self) -> None:
         super().reset()
         self.k = self.v = self.slots = None
-
-    def select(self, rows: Tensor) -> None:
-        if self.k is None or self.v is None:
-            return
-        rows = check_rows(rows, self.batch_size).to(self.k.device)
-        self.k = self.k.index_select(0, rows)
-        self.v = self.v.index_select(0, rows)
-        self.batch_size = rows.numel()
 
     def nbytes(self) -> int:
         return tensor_nbytes(self.k, self.v, self.slots)
