@@ -46,6 +46,7 @@ positive_int = _number_type("a positive int", int, lambda v: check_int("value", 
 nonnegative_int = _number_type("an int >= 0", int, lambda v: check_int("value", v, min_value=0))
 any_int = _number_type("an int", int, lambda v: check_int("value", v))
 positive_float = _number_type("a number > 0", float, lambda v: check_real("value", v, gt=0.0))
+nonnegative_float = _number_type("a number >= 0", float, lambda v: check_real("value", v, ge=0.0))
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

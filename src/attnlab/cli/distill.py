@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from attnlab._validate import check_int
-from attnlab.cli._common import positive_float, positive_int
+from attnlab.cli._common import nonnegative_float, positive_float, positive_int
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -51,6 +51,18 @@ def add_parser(sub: Any) -> None:
         default=1e-4,
         help="AdamW learning rate, warm-up then cosine (1e-4)",
     )
+    for name, default, what in (
+        ("embedding", 1.0, "MSE between normalised sentence embeddings"),
+        ("similarity", 1.0, "in-batch cosine-similarity matrices"),
+        ("attention", 1.0, "MiniLM attention transfer on the last layer (0 = off)"),
+        ("hidden", 1.0, "last-layer token states (0 = off)"),
+    ):
+        p.add_argument(
+            f"--{name}-weight",
+            type=nonnegative_float,
+            default=default,
+            help=f"weight of the {what} term ({default:g})",
+        )
     p.add_argument(
         "--device",
         default="auto",
@@ -71,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         eval_sentences=args.eval_sentences,
         seed=args.seed,
         lr=args.lr,
+        embedding_weight=args.embedding_weight,
+        similarity_weight=args.similarity_weight,
+        attention_weight=args.attention_weight,
+        hidden_weight=args.hidden_weight,
         device=args.device,
     )
     r = distill_sentence_encoder(args.teacher, config=cfg, out=args.out, progress=not args.json)

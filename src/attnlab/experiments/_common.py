@@ -141,8 +141,13 @@ def train_model(
     warmup: int | None = None,
     data_obj: Any = None,
     initialise: bool = True,
+    optim: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """Train ``model`` with attnlab's trainer on the data section ``data``.
+
+    Args:
+        optim: further :class:`attnlab.train.config.OptimConfig` fields (weight decay,
+            the cosine's floor), over the trainer's defaults.
 
     Returns:
         ``(trainer, TrainResult)``; the trainer keeps the data (``trainer.data``).
@@ -153,7 +158,11 @@ def train_model(
         {
             "model": {"kind": "decoder"},
             "data": data,
-            "optim": {"lr": lr, "warmup_steps": warmup if warmup is not None else steps // 10},
+            "optim": {
+                "lr": lr,
+                "warmup_steps": warmup if warmup is not None else steps // 10,
+                **(optim or {}),
+            },
             "steps": steps,
             "batch_size": batch_size,
             "seed": seed,

@@ -14,6 +14,10 @@ Shape notation: ``B`` batch, ``L`` tokens, ``V`` classes or vocabulary, ``D`` wi
   2020, eq. 3): ``KL(A_teacher || A_student)`` per head and query, averaged.
 * :func:`value_relation_kl`: MiniLM's value-relation transfer (eq. 4-5): the same KL on
   ``softmax(V Vᵀ / sqrt(E))``.
+* :func:`similarity_relation_loss`: relational distillation on sentence embeddings: the
+  mean squared difference of the in-batch cosine-similarity matrices (the angle-free
+  "distance-wise" relation of Park et al., 2019, "Relational Knowledge Distillation",
+  taken on cosines, which is what a sentence encoder is scored on).
 
 All reductions skip masked positions (``mask`` of 1/0 or bool over tokens); the math runs in
 float32 for 16-bit inputs.
@@ -29,7 +33,13 @@ from torch import Tensor
 
 from attnlab.functional._checks import check_real
 
-__all__ = ["attention_kl", "hidden_state_loss", "kl_div_logits", "value_relation_kl"]
+__all__ = [
+    "attention_kl",
+    "hidden_state_loss",
+    "kl_div_logits",
+    "similarity_relation_loss",
+    "value_relation_kl",
+]
 
 Direction = Literal["forward", "reverse"]
 
@@ -200,3 +210,39 @@ def value_relation_kl(
 
     per = _distribution_kl(relation(teacher_values), relation(student_values), w).mean(1)
     return _masked_mean(per, w)
+
+
+def similarity_relation_loss(student: Tensor, teacher: Tensor) -> Tensor:
+    """Mean squared difference of the pairwise cosine similarities within a batch.
+
+    Matches what sentence embeddings are used for (ranking pairs by cosine) rather than the
+    vectors themselves, so it also applies when the widths differ.
+
+    Args:
+        student: ``[B, D_s]`` sentence embeddings.
+        teacher: ``[B, D_t]`` sentence embeddings of the same ``B`` sentences.
+
+    Returns:
+        A scalar: the mean over the ``B (B - 1)`` off-diagonal pairs.
+
+    Raises:
+        TypeError: a non-tensor input.
+        ValueError: not ``[B, D]``, different batch sizes, or fewer than two rows.
+    """
+    if not isinstance(student, Tensor) or not isinstance(teacher, Tensor):
+        raise TypeError("similarity_relation_loss: student and teacher must be tensors")
+    if student.dim() != 2 or teacher.dim() != 2 or len(student) != len(teacher):
+        raise ValueError(
+            "similarity_relation_loss: embeddings must be [B, D] with the same B, got "
+            f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)}"
+        )
+    b = len(student)
+    if b < 2:
+        raise ValueError(f"similarity_relation_loss needs at least 2 sentences, got {b}")
+
+    def cosines(x: Tensor) -> Tensor:
+        x = F.normalize(_acc(x), dim=-1)
+        return x @ x.T  # [B, B]
+
+    off = ~torch.eye(b, dtype=torch.bool, device=student.device)
+    return (cosines(student) - cosines(teacher))[off].pow(2).mean()

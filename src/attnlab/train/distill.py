@@ -9,8 +9,12 @@ docstrings of the Python standard library) to reproduce the teacher's embeddings
 * the loss is the mean squared error between the student's and the teacher's normalised
   mean-pooled embeddings (Reimers & Gurevych, 2020, "Making Monolingual Sentence
   Embeddings Multilingual using Knowledge Distillation", use the same MSE on embeddings),
-  plus the token states of the last layer and MiniLM's attention-distribution transfer on
-  the last layer (Wang et al., 2020), weighted by ``attention_weight``;
+  the difference of their in-batch cosine-similarity matrices
+  (:func:`~attnlab.functional.distill.similarity_relation_loss`), and optionally the token
+  states of the last layer and MiniLM's attention-distribution transfer on the last layer
+  (Wang et al., 2020), each with its weight;
+* when only sentence-level terms are on, the teacher's embedding of each training sentence
+  is computed once, on its first use, and reused on later epochs;
 * quality is the Spearman correlation between the student's and the teacher's pairwise
   cosine similarities on held-out sentences (from standard-library files never trained on);
 * speed is sentences per second of each, encoding the same held-out sentences.
@@ -40,7 +44,11 @@ import torch
 from torch import Tensor
 
 from attnlab.functional._checks import check_int, check_positive_int, check_real
-from attnlab.functional.distill import attention_kl, hidden_state_loss
+from attnlab.functional.distill import (
+    attention_kl,
+    hidden_state_loss,
+    similarity_relation_loss,
+)
 from attnlab.train.trainer import lr_multiplier
 
 logger = logging.getLogger(__name__)
@@ -73,8 +81,11 @@ class DistillConfig:
         steps: optimiser steps.
         batch_size: sentences per step.
         lr: AdamW learning rate (linear warm-up over the first 10 % of steps, then cosine).
-        attention_weight: weight of the attention-transfer term.
-        hidden_weight: weight of the last-layer token-state term.
+        embedding_weight: weight of the embedding MSE term.
+        similarity_weight: weight of the in-batch cosine-similarity term.
+        attention_weight: weight of the attention-transfer term (0 = off).
+        hidden_weight: weight of the last-layer token-state term (0 = off). With both of
+            these off, each teacher embedding is computed once and cached.
         max_length: tokens per sentence (longer ones are truncated).
         train_sentences: sentences drawn from the training files.
         eval_sentences: held-out sentences for Spearman and speed.
@@ -88,6 +99,8 @@ class DistillConfig:
     steps: int = 600
     batch_size: int = 32
     lr: float = 1e-4
+    embedding_weight: float = 1.0
+    similarity_weight: float = 1.0
     attention_weight: float = 1.0
     hidden_weight: float = 1.0
     max_length: int = 128
@@ -104,8 +117,15 @@ class DistillConfig:
         for i in self.layers:
             check_int("DistillConfig.layers[i]", i, min_value=0)
         check_real("DistillConfig.lr", self.lr, gt=0.0)
-        for name in ("attention_weight", "hidden_weight"):
+        weights = ("embedding_weight", "similarity_weight", "attention_weight", "hidden_weight")
+        for name in weights:
             check_real(f"DistillConfig.{name}", getattr(self, name), ge=0.0)
+        if not any(getattr(self, name) > 0 for name in weights):
+            raise ValueError(
+                "DistillConfig: every loss weight is 0; set at least one of "
+                + ", ".join(weights)
+                + " above 0"
+            )
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
@@ -233,6 +253,33 @@ def _embed(model: Any, batch: dict[str, Tensor], **kw: Any) -> tuple[Tensor, Any
         _mean_pool(out.last_hidden_state, batch["attention_mask"]), dim=-1
     )
     return emb, out
+
+
+def _length_grouped_batches(
+    sents: Sequence[str], batch_size: int, g: torch.Generator, *, group: int = 64
+) -> list[list[int]]:
+    """One epoch of batches of similar-length sentences, in random order.
+
+    The epoch is shuffled, cut into runs of ``group`` batches, each run sorted by length
+    and cut into batches (the "group by length" sampling of transformers' Trainer): a batch
+    is padded to its longest sentence, and docstring paragraphs run from 20 to 400
+    characters, so random batches spend most of their tokens on padding.
+    """
+    order = torch.randperm(len(sents), generator=g).tolist()
+    span = batch_size * group
+    out: list[list[int]] = []
+    for s in range(0, len(order), span):
+        run = sorted(order[s : s + span], key=lambda i: len(sents[i]))
+        out += [run[j : j + batch_size] for j in range(0, len(run), batch_size)]
+    out = [b for b in out if len(b) == batch_size] or out
+    perm = torch.randperm(len(out), generator=g).tolist()
+    return [out[i] for i in perm]
+
+
+def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``batch`` without the columns that are padding in every row."""
+    keep = int(batch["attention_mask"].sum(1).max())
+    return {k: v[:, :keep] for k, v in batch.items()}
 
 
 def make_student(teacher: torch.nn.Module, layers: Sequence[int]) -> torch.nn.Module:
@@ -380,7 +427,7 @@ def distill_sentence_encoder(
         opt, lambda step: lr_multiplier(step, steps=cfg.steps, warmup=warm, min_ratio=0.0)
     )
     g = torch.Generator().manual_seed(cfg.seed)
-    order: list[int] = []
+    batches: list[list[int]] = []
     bar = None
     if progress:
         try:
@@ -390,23 +437,36 @@ def distill_sentence_encoder(
         except ImportError:  # the `train` extra is not installed: no bar
             bar = None
     loss_val = float("nan")
+    token_terms = cfg.attention_weight > 0 or cfg.hidden_weight > 0
+    cached: dict[int, Tensor] = {}  # teacher embeddings by sentence, when only they are used
     t0 = time.perf_counter()
     for _ in range(cfg.steps):
-        if len(order) < cfg.batch_size:
-            order += torch.randperm(len(train), generator=g).tolist()
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        if not batches:
+            batches = _length_grouped_batches(train, cfg.batch_size, g)
+        idx = batches.pop()
         batch = {k: v.to(device) for k, v in tokenize([train[i] for i in idx]).items()}
         want_attn = cfg.attention_weight > 0
+        t_out = None
         with torch.no_grad():
-            t_emb, t_out = _embed(teacher, batch, output_attentions=want_attn)
+            if token_terms:
+                t_emb, t_out = _embed(teacher, batch, output_attentions=want_attn)
+            else:
+                new = [j for j, i in enumerate(idx) if i not in cached]
+                if new:
+                    sub = {k: v[new] for k, v in batch.items()}
+                    fresh, _ = _embed(teacher, _trim(sub))
+                    cached.update({idx[j]: e for j, e in zip(new, fresh, strict=True)})
+                t_emb = torch.stack([cached[i] for i in idx])
         s_emb, s_out = _embed(student, batch, output_attentions=want_attn)
         mask = batch["attention_mask"]
-        loss = (s_emb - t_emb).pow(2).sum(-1).mean()
-        if cfg.hidden_weight > 0:
+        loss = cfg.embedding_weight * (s_emb - t_emb).pow(2).sum(-1).mean()
+        if cfg.similarity_weight > 0:
+            loss = loss + cfg.similarity_weight * similarity_relation_loss(s_emb, t_emb)
+        if t_out is not None and cfg.hidden_weight > 0:
             loss = loss + cfg.hidden_weight * hidden_state_loss(
                 s_out.last_hidden_state, t_out.last_hidden_state, mask=mask
             )
-        if want_attn:
+        if t_out is not None and want_attn:
             loss = loss + cfg.attention_weight * attention_kl(
                 s_out.attentions[-1], t_out.attentions[-1], mask=mask
             )
