@@ -61,6 +61,14 @@ def make_lti(model: nn.Module) -> nn.Module:
     return model
 
 
+#: Both blocks keep their constructor's initialisation and train at a constant learning rate
+#: without weight decay, as the recall and induction experiments do. On the quick task
+#: (400 steps) S6 reached 41 % with GPT-2's initialisation, 3e-3 and the cosine schedule,
+#: 70 % with this at 3e-3 and 77 % at 1e-2.
+OPTIM = {"weight_decay": 0.0, "min_lr_ratio": 1.0}
+LR = 1e-2
+
+
 def _settings(quick: bool, smoke: bool) -> dict[str, Any]:
     if smoke:
         return dict(n=4, symbols=8, hidden=32, layers=1, steps=2, batch=4)
@@ -102,7 +110,9 @@ def run(
             data,
             steps=s["steps"],
             batch_size=s["batch"],
-            lr=3e-3,
+            lr=LR,
+            optim=OPTIM,
+            initialise=False,
             seed=seed,
             out=out / "runs" / ("lti" if lti else "s6"),
             progress=progress,
@@ -117,14 +127,19 @@ def run(
         )
     s6, lti_acc = rows[0]["accuracy"] or 0.0, rows[1]["accuracy"] or 0.0
     agrees = s6 >= 0.9 and s6 - lti_acc >= 0.2
+    chance = 1 / s["symbols"]
+    if agrees:
+        outcome = "As published: selection solves it, the time-invariant block does not."
+    elif s6 - lti_acc >= 0.3 and lti_acc < 2 * chance:
+        outcome = (
+            "The separation shows (the LTI block stays near chance, "
+            f"{chance:.1%}), but selection has not solved the task in this budget."
+        )
+    else:
+        outcome = "Not the published separation on this run."
     verdict = (
         f"{s['n']} data tokens in {4 * s['n']} positions: selective {s6:.1%}, LTI "
-        f"{lti_acc:.1%} token accuracy. "
-        + (
-            "As published: selection solves it, the time-invariant block does not."
-            if agrees
-            else "Not the published separation on this run."
-        )
+        f"{lti_acc:.1%} token accuracy. " + outcome
     )
     return ExperimentResult(
         name=NAME,
