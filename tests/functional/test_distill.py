@@ -12,6 +12,7 @@ from attnlab.functional.distill import (
     attention_kl,
     hidden_state_loss,
     kl_div_logits,
+    similarity_relation_loss,
     value_relation_kl,
 )
 
@@ -117,3 +118,27 @@ def test_value_relation_kl_float64_and_head_dims_may_differ() -> None:
 def test_bad_inputs(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_similarity_relation_loss_equals_a_float64_loop() -> None:
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(5, 8, generator=g), torch.randn(5, 12, generator=g)  # widths differ
+    want, count = 0.0, 0
+    for i in range(5):
+        for j in range(5):
+            if i != j:
+                cs = F.cosine_similarity(s[i].double(), s[j].double(), dim=0)
+                ct = F.cosine_similarity(t[i].double(), t[j].double(), dim=0)
+                want += float((cs - ct) ** 2)
+                count += 1
+    assert float(similarity_relation_loss(s, t)) == pytest.approx(want / count, rel=1e-5)
+    assert float(similarity_relation_loss(s, 3 * s)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_similarity_relation_loss_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match=r"\[B, D\] with the same B"):
+        similarity_relation_loss(torch.randn(4, 8), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="at least 2"):
+        similarity_relation_loss(torch.randn(1, 8), torch.randn(1, 8))
+    with pytest.raises(TypeError, match="tensors"):
+        similarity_relation_loss([[1.0]], torch.randn(1, 8))  # type: ignore[arg-type]

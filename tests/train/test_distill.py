@@ -10,6 +10,7 @@ import torch
 
 from attnlab.train.distill import (
     DistillConfig,
+    _length_grouped_batches,
     distill_sentence_encoder,
     make_student,
     spearman,
@@ -90,3 +91,52 @@ def test_bad_config() -> None:
         DistillConfig(lr=float("nan"))
     with pytest.raises(ValueError, match="device.*'tpu'"):
         DistillConfig(device="tpu")
+
+
+def test_length_grouped_batches_cover_the_epoch_once_with_similar_lengths() -> None:
+    g = torch.Generator().manual_seed(0)
+    sents = ["x" * int(n) for n in torch.randint(20, 400, (1000,), generator=g)]
+    batches = _length_grouped_batches(sents, 8, g, group=8)
+    flat = [i for b in batches for i in b]
+    assert len(flat) == len(set(flat)) == 1000 and all(len(b) == 8 for b in batches)
+    # padding: each batch is padded to its longest sentence
+    padded = sum(max(len(sents[i]) for i in b) * len(b) for b in batches)
+    shuffled = torch.randperm(1000, generator=g).tolist()
+    random_padded = sum(
+        max(len(sents[i]) for i in shuffled[s : s + 8]) * 8 for s in range(0, 1000, 8)
+    )
+    assert padded < 0.7 * random_padded
+
+
+def test_sentence_level_distillation_caches_the_teacher(
+    minilm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the token-level terms off, the teacher embeds each training sentence once: two
+    epochs over 8 sentences send it 8 rows, not 16."""
+    import attnlab.train.distill as distill
+
+    rows: list[int] = []
+    real = distill._trim
+
+    def counting(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows.append(len(batch["input_ids"]))
+        return real(batch)
+
+    monkeypatch.setattr(distill, "_trim", counting)
+    cfg = DistillConfig(
+        steps=4,
+        batch_size=4,
+        train_sentences=8,
+        eval_sentences=12,
+        attention_weight=0.0,
+        hidden_weight=0.0,
+    )
+    r = distill_sentence_encoder(minilm_path, config=cfg, progress=False)
+    assert sum(rows) == 8 and r.steps == 4 and r.final_loss == r.final_loss  # not NaN
+
+
+def test_every_loss_weight_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="every loss weight is 0"):
+        DistillConfig(
+            embedding_weight=0.0, similarity_weight=0.0, attention_weight=0.0, hidden_weight=0.0
+        )
