@@ -72,6 +72,8 @@ ERROR_CASES: list[tuple[list[str], int, str]] = [
     (["backends", "--explain", "--mask", "window:x"], 2, "--mask"),
     (["advise", "--task", "nope", "--seq-len", "8", "--memory-gb", "1"], 2, "--task"),
     (["estimate", "--preset", "gpt-17"], 2, "gpt-17"),
+    (["distill", "--similarity-weight", "-1"], 2, "--similarity-weight"),
+    (["distill", "--embedding-weight", "0", "--similarity-weight", "0", "--attention-weight", "0", "--hidden-weight", "0"], 2, "every loss weight is 0"),
     (["nosuchcommand"], 2, "nosuchcommand"),
     # class 6 through the CLI: valid arguments, damaged or missing files: exit 1
     (["generate", "--model", "{bad}", "--ids", "1"], 1, "config.json"),

@@ -208,7 +208,10 @@ def _verdict(bpb: dict[str, dict[int, float]], lengths: list[int]) -> tuple[str,
     unlearned = sorted(p for p, v in at_1x.items() if v > UNDERTRAINED * best)
     flat = growth["alibi"] <= 1.1
     worse = growth["sinusoidal"] >= 1.1 * growth["alibi"] and growth["rope"] >= growth["alibi"]
-    agrees = flat and worse and not unlearned
+    # an undertrained kind that degrades still degrades; only ALiBi's flatness means nothing
+    # unless it learned (the guard was added for a sinusoidal model that learned nothing
+    # and so looked flat)
+    agrees = flat and worse and "alibi" not in unlearned
     text = (
         f"bits per byte at {longest // lengths[0]}x the training length over 1x: "
         + ", ".join(parts)
@@ -216,7 +219,7 @@ def _verdict(bpb: dict[str, dict[int, float]], lengths: list[int]) -> tuple[str,
         + (
             f"Undertrained at 1x (over {UNDERTRAINED - 1:.0%} above the best): "
             + ", ".join(unlearned)
-            + ". "
+            + " (this blocks agreement only for ALiBi, whose flatness would mean nothing). "
             if unlearned
             else ""
         )
