@@ -29,43 +29,37 @@ def add_parser(sub: Any) -> None:
         help="distil all-MiniLM-L6-v2 (or a given sentence encoder) into fewer layers",
         description=(
             "Distil a sentence-embedding BERT into a student that keeps some of its layers "
-            "(default 1,3,5 of 6), trained on docstrings of the Python standard library to "
-            "reproduce the teacher's embeddings, last-layer states and attention. Reports the "
+            "(by default three of six), trained on docstrings of the Python standard library to "
+            "reproduce the teacher's sentence embeddings and their pairwise similarities "
+            "(optionally its last-layer states and attention). Reports the "
             "Spearman correlation of the student's pairwise cosine similarities with the "
             "teacher's on held-out sentences, and the encode speed of each. The student folder "
             "loads with attnlab.from_hf, transformers and sentence-transformers."
         ),
-        epilog="example:\n  attnlab distill --out minilm-l3 --steps 600",
+        epilog="defaults: attnlab.train.distill.DistillConfig\n"
+        "example:\n  attnlab distill --out minilm-l3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--teacher", help="sentence-transformers folder (default all-MiniLM-L6-v2)")
     p.add_argument("--out", help="save the student folder here")
-    p.add_argument("--layers", type=_layers, default=(1, 3, 5), help="teacher layers kept")
-    p.add_argument("--steps", type=positive_int, default=600, help="optimiser steps (600)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences per step")
-    p.add_argument("--eval-sentences", type=positive_int, default=500, help="held-out sentences")
-    p.add_argument("--seed", type=int, default=0, help="seed (0)")
-    p.add_argument(
-        "--lr",
-        type=positive_float,
-        default=1e-4,
-        help="AdamW learning rate, warm-up then cosine (1e-4)",
-    )
-    for name, default, what in (
-        ("embedding", 1.0, "MSE between normalised sentence embeddings"),
-        ("similarity", 1.0, "in-batch cosine-similarity matrices"),
-        ("attention", 1.0, "MiniLM attention transfer on the last layer (0 = off)"),
-        ("hidden", 1.0, "last-layer token states (0 = off)"),
+    # defaults live in DistillConfig alone: an option left out keeps the config's value
+    p.add_argument("--layers", type=_layers, help="teacher layers kept, e.g. 0,3,5")
+    p.add_argument("--steps", type=positive_int, help="optimiser steps")
+    p.add_argument("--batch-size", type=positive_int, help="sentences per step")
+    p.add_argument("--eval-sentences", type=positive_int, help="held-out sentences")
+    p.add_argument("--seed", type=int, help="seed")
+    p.add_argument("--lr", type=positive_float, help="AdamW learning rate, warm-up then cosine")
+    for name, what in (
+        ("embedding", "MSE between normalised sentence embeddings"),
+        ("similarity", "in-batch cosine-similarity matrices"),
+        ("attention", "MiniLM attention transfer on the last layer (0 = off)"),
+        ("hidden", "last-layer token states (0 = off)"),
     ):
         p.add_argument(
-            f"--{name}-weight",
-            type=nonnegative_float,
-            default=default,
-            help=f"weight of the {what} term ({default:g})",
+            f"--{name}-weight", type=nonnegative_float, help=f"weight of the {what} term"
         )
     p.add_argument(
         "--device",
-        default="auto",
         help="where the student trains: auto (CUDA when available), cpu, cuda, cuda:N; "
         "encode speed is measured on the CPU",
     )
@@ -76,19 +70,20 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from attnlab.train.distill import DistillConfig, distill_sentence_encoder
 
-    cfg = DistillConfig(
-        layers=args.layers,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        eval_sentences=args.eval_sentences,
-        seed=args.seed,
-        lr=args.lr,
-        embedding_weight=args.embedding_weight,
-        similarity_weight=args.similarity_weight,
-        attention_weight=args.attention_weight,
-        hidden_weight=args.hidden_weight,
-        device=args.device,
+    names = (
+        "layers",
+        "steps",
+        "batch_size",
+        "eval_sentences",
+        "seed",
+        "lr",
+        "embedding_weight",
+        "similarity_weight",
+        "attention_weight",
+        "hidden_weight",
+        "device",
     )
+    cfg = DistillConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
     r = distill_sentence_encoder(args.teacher, config=cfg, out=args.out, progress=not args.json)
     if args.json:
         print(json.dumps(r.to_dict(), indent=2, allow_nan=False))
