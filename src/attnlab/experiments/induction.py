@@ -107,10 +107,12 @@ def _settings(quick: bool, smoke: bool) -> dict[str, Any]:
     return dict(vocab=64, half=16, hidden=64, heads=4, steps=3000, batch=32, probes=256, seeds=3)
 
 
-#: The optimiser for every run: a constant learning rate without weight decay. The
-#: trainer's default (warm-up, cosine decay to 10 %, weight decay 0.1) left the two-layer
-#: quick model on the plateau (repeat loss 4.11 nats after 1500 steps, chance 4.16); the
-#: head forms at a high learning rate, and a decaying one lowers it just before it would.
+#: The optimiser for every run: a constant learning rate without weight decay, as the
+#: plain-PyTorch reference that first formed a head on this task was trained (see "Sizing
+#: the runs" in docs/experiments.md). The first session's runs used the trainer's default
+#: (warm-up, cosine decay to 10 %, weight decay 0.1) on rows of 64 and stayed on the
+#: plateau; the schedule and the row length changed together, and their shares were not
+#: measured apart.
 OPTIM = {"weight_decay": 0.0, "min_lr_ratio": 1.0}
 LR = 3e-3
 

@@ -44,9 +44,9 @@ PUBLISHED = (
 
 #: Every model keeps the initialisation its constructor gives (PyTorch's defaults, with each
 #: mixer's own for Mamba, RWKV and RetNet) and trains at a constant learning rate without
-#: weight decay. With GPT-2's N(0, 0.02²) initialisation and the trainer's cosine schedule,
-#: two-layer attention of width 64 sat on the "one of the values in context" plateau (33 %
-#: accuracy after 2000 steps of 32 at 8 pairs); with its constructor's initialisation it
+#: weight decay. With GPT-2's N(0, 0.02²) initialisation at the same constant rate (3e-3),
+#: two-layer attention of width 64 sat on the "one of the values in context" plateau (32 %
+#: accuracy after 3000 steps of 32 at 8 pairs); with its constructor's initialisation it
 #: recalled 100 % by step 400-600 in two seeds of three at 3e-3, while the third stayed on
 #: the plateau for 1200 steps. At 1e-3 both seeds tried left it near step 700-800 (77 and
 #: 84 % at 800); 1e-2 never left it in 800 steps.
