@@ -20,7 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ExperimentResult", "train_model", "write_result"]
+__all__ = ["CONSTANT_LR", "ExperimentResult", "train_model", "write_result"]
+
+#: ``optim`` overrides for :func:`train_model` that train at a constant learning rate
+#: without weight decay (the synthetic tasks' recipe: recall, selective copying, induction).
+CONSTANT_LR: dict[str, Any] = {"weight_decay": 0.0, "min_lr_ratio": 1.0}
 
 
 @dataclass

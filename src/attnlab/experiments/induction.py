@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.experiments._common import (
+    CONSTANT_LR,
     ExperimentResult,
     model_device,
     plot_loss_curves,
@@ -107,13 +108,12 @@ def _settings(quick: bool, smoke: bool) -> dict[str, Any]:
     return dict(vocab=64, half=16, hidden=64, heads=4, steps=3000, batch=32, probes=256, seeds=3)
 
 
-#: The optimiser for every run: a constant learning rate without weight decay, as the
+#: Every run trains at LR with CONSTANT_LR (constant rate, no weight decay), as the
 #: plain-PyTorch reference that first formed a head on this task was trained (see "Sizing
 #: the runs" in docs/experiments.md). The first session's runs used the trainer's default
 #: (warm-up, cosine decay to 10 %, weight decay 0.1) on rows of 64 and stayed on the
 #: plateau; the schedule and the row length changed together, and their shares were not
 #: measured apart.
-OPTIM = {"weight_decay": 0.0, "min_lr_ratio": 1.0}
 LR = 3e-3
 
 
@@ -198,7 +198,7 @@ def _train_one(
         batch_size=s["batch"],
         lr=LR,
         warmup=0,
-        optim=OPTIM,
+        optim=CONSTANT_LR,
         seed=seed,
         out=out / "runs" / f"{layers}-layer-seed{seed}",
         progress=progress,

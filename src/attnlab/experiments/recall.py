@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.experiments._common import (
+    CONSTANT_LR,
     ExperimentResult,
     model_device,
     new_axes,
@@ -50,7 +51,6 @@ PUBLISHED = (
 #: recalled 100 % by step 400-600 in two seeds of three at 3e-3, while the third stayed on
 #: the plateau for 1200 steps. At 1e-3 both seeds tried left it near step 700-800 (77 and
 #: 84 % at 800); 1e-2 never left it in 800 steps.
-OPTIM = {"weight_decay": 0.0, "min_lr_ratio": 1.0}
 LR = 1e-3
 
 
@@ -218,7 +218,7 @@ def run(
                 batch_size=s["batch"],
                 lr=LR,
                 warmup=0,
-                optim=OPTIM,
+                optim=CONSTANT_LR,
                 initialise=False,
                 seed=seed,
                 out=out / "runs" / f"{kind.replace(' ', '-')}-{w}",

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.experiments._common import ExperimentResult, plot_loss_curves, train_model
+from attnlab.experiments._common import (
+    CONSTANT_LR,
+    ExperimentResult,
+    plot_loss_curves,
+    train_model,
+)
 
 NAME = "selective-copy"
 TITLE = "Selective copying: Mamba's selective scan (S6) against the same block made LTI (S4-like)"
@@ -65,7 +70,6 @@ def make_lti(model: nn.Module) -> nn.Module:
 #: without weight decay, as the recall and induction experiments do. On the quick task
 #: (400 steps) S6 reached 41 % with GPT-2's initialisation, 3e-3 and the cosine schedule,
 #: 70 % with this at 3e-3 and 77 % at 1e-2.
-OPTIM = {"weight_decay": 0.0, "min_lr_ratio": 1.0}
 LR = 1e-2
 
 
@@ -111,7 +115,7 @@ def run(
             steps=s["steps"],
             batch_size=s["batch"],
             lr=LR,
-            optim=OPTIM,
+            optim=CONSTANT_LR,
             initialise=False,
             seed=seed,
             out=out / "runs" / ("lti" if lti else "s6"),
