@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import time
@@ -97,7 +98,7 @@ def _setup(b: int, lengths: list[int]) -> tuple[PagedKVPool, dict]:
         positions=True,
         block_size=BS,
     )
-    gather_call = AttentionCall(**{**call.__dict__, "block_size": 0})
+    gather_call = dataclasses.replace(call, block_size=0)
     return pool, {"call": call, "gather_call": gather_call, "q_pos": q_pos, "k_pos": k_pos}
 
 

@@ -17,8 +17,8 @@
 # settings in $DISTILL_RUNS (one per line) one after the other beside the experiments,
 # all within the one cap.
 # $EXPERIMENTS (space-separated) picks some of extrapolation, selective-copy, gqa and
-# induction; RECALL=0 leaves recall out. Used for the GPU runs recorded in
-# docs/experiments.md.
+# induction; RECALL=0 leaves recall out. Prepared for a GPU machine and not yet run on
+# one: the runs in docs/experiments.md were made on the 2-core CPU, one command each.
 set -u -o pipefail
 
 out=${1:?usage: scripts/run_experiments_full.sh OUT_DIR [experiment flags]}
