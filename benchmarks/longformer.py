@@ -126,7 +126,7 @@ def _child(
                     times.append(clock() - t0)
             h = out.last_hidden_state
         if impl == "attnlab":
-            from attnlab.backends.registry import explain
+            from attnlab.backends import explain
             from attnlab.modules.longformer_attention import longformer_pattern
 
             heads = model.config.num_attention_heads

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line, write_section
-from attnlab.backends.registry import AttentionCall, choose_call, dispatch_trusted
+from attnlab.backends import AttentionCall, choose_call, dispatch_trusted
 from attnlab.cache import PagedKVPool
 from attnlab.functional.masks import causal, padding
 

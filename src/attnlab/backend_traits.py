@@ -76,7 +76,7 @@ class BackendTraits:
         return self.block
 
     def registry_fields(self) -> dict[str, Any]:
-        """The fields :class:`~attnlab.backends.registry.Backend` takes from this record."""
+        """The fields :class:`~attnlab.backends.call.Backend` takes from this record."""
         d = asdict(self)
         keys: tuple[str, ...] = (
             "name",

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import attnlab.backends.sparse as sparse
+from attnlab.backends import explain
 from attnlab.backends.banded import BAND_BLOCKS, band_pairs, band_plan, choose_band
-from attnlab.backends.registry import explain
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
 from attnlab.functional.score_mods import symmetric_alibi

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from attnlab import backends
+from attnlab.backends import AttentionCall, choose_call
 from attnlab.backends.paged import BlockTable, paged_attention
-from attnlab.backends.registry import AttentionCall, choose_call
 from attnlab.cache import PagedKVPool
 from attnlab.functional import scaled_dot_product_attention as sdpa
 from attnlab.functional.masks import causal, padding, sliding_window

@@ -146,7 +146,7 @@ class _ShiftMixer(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d, d)
 
-    def forward(self, h: Tensor, **_: Any) -> tuple[Tensor, None]:
+    def forward(self, h: Tensor, plan: Any, cache: Any = None) -> tuple[Tensor, None]:
         prev = torch.nn.functional.pad(h, (0, 0, 1, 0))[:, :-1]
         return self.proj(h + prev), None
 

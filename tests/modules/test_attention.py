@@ -69,7 +69,7 @@ def test_cross_attention_with_other_lengths_and_widths_matches_torch() -> None:
     )
     x, ctx = torch.randn(3, 5, 16), torch.randn(3, 11, 24)
     want, _ = ref(x, ctx, ctx)
-    got, w = ours(x, ctx, need_weights=True)
+    got, w = ours(x, context=ctx, need_weights=True)
     assert got.shape == (3, 5, 16) and w is not None and w.shape == (3, 2, 5, 11)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -2,8 +2,8 @@
 
 The cost model (:mod:`attnlab.analysis.cost`) and the advisor describe a layer's
 attention by its shapes, not by tensors. This module turns such a description into the
-registry's own :class:`~attnlab.backends.registry.AttentionCall` and asks the registry
-(:func:`attnlab.backends.registry.choose`): which backends refuse the call, what each
+registry's own :class:`~attnlab.backends.call.AttentionCall` and asks the registry
+(:func:`attnlab.backends.select.choose`): which backends refuse the call, what each
 would cost (the measured constants of :mod:`attnlab.backends.cost_constants`) and which
 wins are written once, in the backends. torch is imported when a choice is asked for,
 never when ``attnlab.analysis`` is imported.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from attnlab.backends.registry import Explanation
+    from attnlab.backends.call import Explanation
 
 __all__ = ["auto_choice"]
 
@@ -56,12 +56,13 @@ def auto_choice(
         device: the device type whose constants are used.
 
     Returns:
-        The registry's :class:`~attnlab.backends.registry.Explanation`: ``chosen``, the
+        The registry's :class:`~attnlab.backends.call.Explanation`: ``chosen``, the
         reason for each backend, and ``estimates`` (seconds, ranked).
     """
     import torch
 
-    from attnlab.backends.registry import AttentionCall, choose
+    from attnlab.backends.call import AttentionCall
+    from attnlab.backends.select import choose
     from attnlab.functional import masks
 
     pattern = mask

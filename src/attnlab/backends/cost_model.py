@@ -18,7 +18,7 @@ measured on this project's machine (:mod:`attnlab.backends.cost_constants`).
 Tile counts come from :meth:`MaskPattern.block_mask` (cached), so the model sees
 that a sliding window leaves most tiles empty, without building a mask.
 
-Shape notation as in :mod:`attnlab.backends.registry`.
+Shape notation as in :mod:`attnlab.functional.attention`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from attnlab.backends import cost_constants
 from attnlab.functional.masks import MaskPattern, causal
 
 if TYPE_CHECKING:
-    from attnlab.backends.registry import AttentionCall
+    from attnlab.backends.call import AttentionCall
 
 __all__ = [
     "Estimate",

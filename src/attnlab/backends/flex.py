@@ -58,8 +58,9 @@ from torch import Tensor
 
 from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import check_blockwise_call, flatten_batch, mask_spec, weights_from_lse
+from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
-from attnlab.backends.registry import AttentionCall, Backend, forget_choices, register
+from attnlab.backends.registry import forget_choices, register
 from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.masks import MaskPattern
 

@@ -31,7 +31,8 @@ from torch import Tensor
 
 from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import compute_dtype, flatten_batch
-from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.backends.call import AttentionCall, Backend
+from attnlab.backends.registry import register
 from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.linear_attention import elu_feature_map
 from attnlab.functional.masks import Causal, MaskPattern, Padding

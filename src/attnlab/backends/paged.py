@@ -27,45 +27,20 @@ positions of the step, ``T`` virtual slots of the step, ``S'`` keys read per row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from attnlab.backend_traits import PAGED_COST, TRAITS
+from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, estimate, format_seconds, gather_seconds
-from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.backends.plan import BlockTable
+from attnlab.backends.registry import register
 from attnlab.backends.sdpa import sdpa_torch
 from attnlab.functional.attention import repeat_kv
 from attnlab.functional.masks import MaskPattern
 from attnlab.functional.score_mods import apply_score_mods
 
 __all__ = ["BlockTable", "paged_attention"]
-
-
-@dataclass(frozen=True)
-class BlockTable:
-    """Where each row's keys/values live in a paged pool, in a step's layout.
-
-    Row ``b`` holds ``lengths[b]`` tokens; token ``p`` sits in pool slot
-    ``table[b, p // bs] * bs + p % bs`` and at slot ``offsets[b] + p`` of the step's
-    virtual layout (the slot the pattern sees: ``offsets[b] = T - lengths[b]``, the
-    row's left padding). Blocks before ``first_block[b]`` were freed (wholly outside
-    a sliding window) and are not read.
-
-    Attributes:
-        table: long ``[B, nb]`` block ids (entries past a row's blocks are ignored).
-        block_size: tokens per block ``bs``.
-        lengths: tokens stored per row (host ints).
-        offsets: virtual slot of each row's token 0 (host ints).
-        first_block: first block each row still holds (host ints).
-    """
-
-    table: Tensor
-    block_size: int
-    lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    first_block: tuple[int, ...]
 
 
 def _attention(

@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnlab.backend_traits import TRAITS
+from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, estimate
-from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.backends.registry import register
 from attnlab.functional.attention import empty_attention, resolve_mask, sdpa_reference
 from attnlab.functional.masks import MaskPattern
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.backend_traits import TRAITS
+from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, estimate, lse_pass
-from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.backends.registry import register
 from attnlab.functional.attention import empty_attention, sdpa_reference
 from attnlab.functional.masks import causal_mask
 

@@ -44,8 +44,9 @@ from attnlab.backends.blocks import (
     prologue,
     weights_from_lse,
 )
+from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate
-from attnlab.backends.registry import AttentionCall, Backend, register
+from attnlab.backends.registry import register
 from attnlab.functional.attention import empty_attention
 from attnlab.functional.masks import MaskPattern, causal, full
 from attnlab.functional.score_mods import apply_score_mods

@@ -26,11 +26,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-__all__ = ["CrossAttentionCache", "KVCache", "LayerCache", "ModelCache", "Start"]
+from attnlab.backends.plan import KVView
+
+if TYPE_CHECKING:
+    from attnlab.backends.plan import AttentionPlan
+
+__all__ = ["CrossAttentionCache", "KVCache", "KVView", "LayerCache", "ModelCache", "Start"]
 
 #: Where new tokens go: one slot for every row, or a long ``[B]`` tensor (one per row).
 Start = int | Tensor
@@ -127,6 +133,21 @@ class KVCache(LayerCache):
             The keys and values to attend to, ``[B, H_kv, S, h_d]`` and
             ``[B, H_kv, S, h_v]``, in the order of :meth:`key_slots`.
         """
+
+    def view(self, key: Tensor, value: Tensor, plan: AttentionPlan) -> KVView:
+        """Store the new keys/values at ``plan.start`` and return what the plan attends to.
+
+        The default: :meth:`update`'s tensors with the plan's key slots (the model
+        computed them from :meth:`key_slots` once for its attention layers). A paged
+        cache returns its pools and block tables when the plan's backend reads blocks.
+
+        Args:
+            key: ``[B, H_kv, L, h_d]`` the new keys.
+            value: ``[B, H_kv, L, h_v]`` the new values.
+            plan: the forward's attention plan.
+        """
+        k, v = self.update(key, value, start=plan.start)
+        return KVView(k, v, plan.k_positions)
 
     def reset(self) -> None:
         super().reset()

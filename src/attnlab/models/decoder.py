@@ -23,12 +23,14 @@ slot as an int or a tensor: ``generate`` runs it eagerly, or compiles it over a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.backends.registry import AttentionCall, choose_call
+from attnlab.backends.call import AttentionCall
+from attnlab.backends.plan import AttentionPlan, make_plan
+from attnlab.backends.select import choose_call
 from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
@@ -484,13 +486,9 @@ class DecoderLM(nn.Module):
             x = self.embed_norm(x)
         if self.training and self.config.hidden_dropout > 0:
             x = self.dropout(x)
-        first = _first_kv(cache)  # the attention layers' slots (a hybrid's others carry states)
-        # the new tokens' padding, for mixers whose state must skip pads (Mamba)
-        token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
-        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
-        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        call = self._attention_call(x, pattern, is_causal, s, output_attentions, first)
-        backend = self._backend_for(call) if backend is None else backend  # once per forward
+        plan = self._plan(
+            x, start, mask, positions, q_slots, cache, output_attentions, extra, backend
+        )
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         router_logits: list[Tensor] = []
@@ -499,23 +497,8 @@ class DecoderLM(nn.Module):
         )
         ckpt = checkpointing(self, cached=cache is not None)
         for layer, layer_cache in zip(self.layers, layer_caches):
-            x, w, _, r = call_layer(
-                layer,
-                ckpt,
-                x,
-                attn_mask=pattern,
-                is_causal=is_causal,
-                positions=positions,
-                q_positions=q_pos,
-                k_positions=k_pos,
-                # a KV cache, or the mixer's own state in a hybrid's other layers
-                cache=cast(KVCache | None, layer_cache),
-                cache_start=start,
-                call=call,
-                backend=backend,
-                need_weights=output_attentions,
-                token_mask=token_mask,
-            )
+            # a KV cache, or the mixer's own state in a hybrid's other layers
+            x, w, _, r = call_layer(layer, ckpt, x, plan, layer_cache)
             if output_attentions and w is not None:  # attention layers only
                 attentions.append(w)
             if output_hidden_states:
@@ -533,6 +516,39 @@ class DecoderLM(nn.Module):
             tuple(hidden) if output_hidden_states else None,
             tuple(attentions) if output_attentions else None,
             tuple(router_logits) if output_router_logits else None,
+        )
+
+    def _plan(
+        self,
+        x: Tensor,
+        start: Start,
+        mask: Tensor | None,
+        positions: Tensor,
+        q_slots: Tensor,
+        cache: ModelCache | None,
+        need_weights: bool,
+        extra: MaskPattern | None,
+        backend: str | None,
+    ) -> AttentionPlan:
+        """The one plan every layer of this forward reads (backend chosen once, or
+        ``backend`` as resolved by the caller)."""
+        n = x.shape[1]
+        first = _first_kv(cache)  # the attention layers' slots (a hybrid's others carry states)
+        # the new tokens' padding, for mixers whose state must skip pads (Mamba)
+        token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
+        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
+        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+        call = self._attention_call(x, pattern, is_causal, s, need_weights, first)
+        return make_plan(
+            call,
+            backend=self.backend,
+            chosen=backend,
+            pattern=pattern,
+            positions=positions,
+            q_positions=q_pos,
+            k_positions=k_pos,
+            start=start,
+            token_mask=token_mask,
         )
 
     def _pattern(

@@ -4,11 +4,10 @@
 mapping, so a new kind (Mamba, Mamba-2, RWKV, retention) is added by registering it
 here, without a branch in the decoder. A mixer module is called like
 :class:`~attnlab.modules.attention.MultiHeadAttention` inside
-:class:`~attnlab.modules.decoder_layer.DecoderLayer` (``mixer(h, attn_mask=...,
-is_causal=..., positions=..., q_positions=..., k_positions=..., cache=...,
-cache_start=..., call=..., backend=..., need_weights=...)``) and returns ``(output
-[B, L, D], weights or None)``; mixers that are not attention ignore the attention-only
-keywords.
+:class:`~attnlab.modules.decoder_layer.DecoderLayer`, ``mixer(h, plan, cache)`` with the
+forward's :class:`~attnlab.backends.plan.AttentionPlan`, and returns ``(output
+[B, L, D], weights or None)``; mixers that are not attention read what they need from
+the plan (the new tokens' padding, ``token_mask``) and ignore the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from attnlab.backends.plan import AttentionPlan
 from attnlab.cache.recurrent import MambaState, RecurrentState
 from attnlab.models.layout import MambaLayerConfig
 from attnlab.modules.attention import MultiHeadAttention
@@ -124,29 +124,20 @@ register_mixer(Mixer(name="attention", build=_attention))
 class StateMixer(nn.Module):
     """A recurrent mixer (``mixer(x, mask=, state=)``) in an attention mixer's seat.
 
-    The decoder layer calls every mixer with the attention keywords; this one keeps
-    ``cache`` (the layer's recurrent state) and ``token_mask`` (``[B, L]``, 1 token,
-    0 padding: padded steps leave the state unchanged) and ignores the rest. It returns
-    no attention weights.
+    The decoder layer calls every mixer as ``mixer(h, plan, cache)``; this one reads the
+    plan's ``token_mask`` (``[B, L]``, 1 token, 0 padding: padded steps leave the state
+    unchanged) and continues from ``cache`` (the layer's recurrent state). It returns no
+    attention weights.
 
     Args:
         mixer: the recurrent mixer, e.g. :class:`~attnlab.modules.mamba.MambaMixer`.
     """
 
-    uses_token_mask = True  # the decoder layer passes the new tokens' padding
-
     def __init__(self, *, mixer: nn.Module) -> None:
         super().__init__()
         self.mixer = mixer
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        cache: Any = None,
-        token_mask: Tensor | None = None,
-        **attention_keywords: Any,
-    ) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, plan: AttentionPlan, cache: Any = None) -> tuple[Tensor, None]:
         """``x [B, L, D] -> ([B, L, D], None)``; continues from and updates ``cache``.
 
         Raises:
@@ -157,7 +148,7 @@ class StateMixer(nn.Module):
                 f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
                 f"{type(cache).__name__}; build the cache with the model's new_cache()"
             )
-        out: Tensor = self.mixer(x, mask=token_mask, state=cache)
+        out: Tensor = self.mixer(x, mask=plan.token_mask, state=cache)
         return out, None
 
 

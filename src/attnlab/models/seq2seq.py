@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab.backends.call import AttentionCall
+from attnlab.backends.plan import make_plan
 from attnlab.cache.base import ModelCache
 from attnlab.cache.kv_cache import DynamicKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
@@ -33,7 +35,7 @@ from attnlab.models.decoder import make_norm
 from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.models.seq2seq_config import Seq2SeqConfig
 from attnlab.modules.attention import MultiHeadAttention
-from attnlab.modules.decoder_layer import DecoderLayer
+from attnlab.modules.decoder_layer import CrossInputs, DecoderLayer
 from attnlab.modules.encoder_layer import EncoderLayer
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.positions import (
@@ -273,6 +275,20 @@ class Seq2SeqLM(nn.Module):
         if self.decoder_bias is not None:
             pattern = pattern.with_scores(self.decoder_bias.score_mod())
         k_slots = torch.arange(start + n, device=device)[None]  # [1, T]
+        plan = make_plan(
+            self._call(x, start + n, pattern, output_attentions, positions=True),
+            backend=self.backend,
+            pattern=pattern,
+            positions=positions,
+            q_positions=positions,
+            k_positions=k_slots,
+            start=start,
+        )
+        cross_plan = make_plan(
+            self._call(x, encoder_outputs.shape[1], enc_mask, output_attentions, positions=False),
+            backend=self.backend,
+            pattern=enc_mask,
+        )
         self_w: list[Tensor] = []
         cross_w: list[Tensor] = []
         layer_caches: Iterator[Any] = iter(cache.layers) if cache else iter([None] * n_layers(self))
@@ -283,21 +299,8 @@ class Seq2SeqLM(nn.Module):
         )
         ckpt = checkpointing(self, cached=cache is not None)
         for layer, lc, cc in zip(self.decoder_layers, layer_caches, cross_caches):
-            x, sw, cw, _ = call_layer(
-                layer,
-                ckpt,
-                x,
-                attn_mask=pattern,
-                positions=positions,
-                q_positions=positions,
-                k_positions=k_slots,
-                cache=lc,
-                cache_start=start,
-                encoder_hidden_states=encoder_outputs,
-                encoder_mask=enc_mask,
-                cross_cache=cc,
-                need_weights=output_attentions,
-            )
+            cross = CrossInputs(encoder_outputs, cross_plan, cc)
+            x, sw, cw, _ = call_layer(layer, ckpt, x, plan, lc, cross)
             if output_attentions:
                 assert sw is not None and cw is not None
                 self_w.append(sw)
@@ -317,6 +320,37 @@ class Seq2SeqLM(nn.Module):
             decoder_attentions=tuple(self_w) if output_attentions else None,
             cross_attentions=tuple(cross_w) if output_attentions else None,
             encoder_attentions=tuple(enc_weights) if output_attentions and enc_weights else None,
+        )
+
+    def _call(
+        self,
+        x: Tensor,
+        keys: int,
+        pattern: MaskPattern | None,
+        need_weights: bool,
+        *,
+        positions: bool,
+    ) -> AttentionCall:
+        """The call of a decoder attention (self or cross) over ``keys`` keys."""
+        c = self.config
+        b, n = x.shape[:2]
+        assert c.d_kv is not None
+        h, e = c.num_heads, c.d_kv
+        return AttentionCall(
+            query_shape=(b, h, n, e),
+            key_shape=(b, h, keys, e),
+            value_shape=(b, h, keys, e),
+            dtype=x.dtype,
+            device=x.device,
+            mask="none" if pattern is None else "pattern",
+            pattern=pattern,
+            is_causal=False,
+            dropout_p=0.0,
+            enable_gqa=False,
+            needs_grad=torch.is_grad_enabled()
+            and (x.requires_grad or self.output_weight.requires_grad),
+            return_weights=need_weights,
+            positions=positions,
         )
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:

@@ -21,11 +21,16 @@ are score modifiers attached to the mask pattern (``pattern.with_scores(...)``),
 every backend evaluates on the call's query/key positions (``q_positions``,
 ``k_positions``; ``docs/contracts.md``, section 1), tile by tile where it can.
 
-Per call, ``cache`` (a :class:`~attnlab.cache.KVCache` for self-attention, a
-:class:`~attnlab.cache.CrossAttentionCache` for encoder-decoder attention) with the
-explicit slot ``cache_start`` of the first new token. A model passes the
-:class:`~attnlab.backends.registry.AttentionCall` it built once per forward (``call``):
-the layer then takes the registry's trusted path and does not re-validate.
+The model path is ``forward(x, plan, cache)``: ``plan`` is the
+:class:`~attnlab.backends.plan.AttentionPlan` the model built once for the forward
+(pattern, slots, positions, backend chosen, KV layout), ``cache`` the layer's cache (a
+:class:`~attnlab.cache.KVCache`, which turns the new keys/values into the plan's
+:class:`~attnlab.backends.plan.KVView`, or a :class:`~attnlab.cache.CrossAttentionCache`),
+and ``context=`` the key/value input of cross-attention. The layer asks the registry
+nothing and validates nothing on that path. Without a plan, the keywords
+(``attention_mask``, ``attn_mask``, ``is_causal``, ``need_weights``, ``positions``,
+``cache_start``) describe the call for direct use, validated, through the public
+:func:`attnlab.functional.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.backends import get as _get_backend
-from attnlab.backends.registry import AttentionCall, dispatch_trusted
+from attnlab.backends.api import scaled_dot_product_attention
+from attnlab.backends.dispatch import attend
+from attnlab.backends.plan import AttentionPlan, KVView
 from attnlab.cache.base import CrossAttentionCache, KVCache, Start
 from attnlab.functional._checks import (
     check_positive_int,
@@ -44,7 +51,7 @@ from attnlab.functional._checks import (
     check_scale,
     check_tensor,
 )
-from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
+from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import combine, padding, padding_mask
 
 __all__ = ["MultiHeadAttention"]
@@ -162,99 +169,163 @@ class MultiHeadAttention(nn.Module):
 
     def forward(
         self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
+        x: Tensor,
+        plan: AttentionPlan | None = None,
+        cache: KVCache | CrossAttentionCache | None = None,
         *,
+        context: Tensor | None = None,
         attention_mask: Tensor | None = None,
         attn_mask: AttnMask = None,
         is_causal: bool = False,
         need_weights: bool = False,
         positions: Tensor | None = None,
-        q_positions: Tensor | None = None,
-        k_positions: Tensor | None = None,
-        cache: KVCache | CrossAttentionCache | None = None,
         cache_start: Start = 0,
-        call: AttentionCall | None = None,
-        backend: str | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from ``query`` to ``key``/``value``.
+        """Attend from ``x`` to itself (or to ``context``).
 
         Args:
-            query: ``[B, L, D]``.
-            key: ``[B, S, D_kv]``; default ``query`` (self-attention).
-            value: ``[B, S, D_kv]``; default ``key``.
+            x: the queries' input ``[B, L, D]``.
+            plan: the forward's attention plan (the model path: no other keyword but
+                ``context`` may be given), or None to describe the call with keywords.
+            cache: a self-attention cache (the new keys/values are stored at the plan's
+                ``start``, or ``cache_start``, and every cached one is attended to) or a
+                cross-attention cache (filled on the first call; ``context`` is then not
+                needed).
+            context: ``[B, S, D_kv]`` the key/value input of cross-attention.
             attention_mask: key padding ``[B, S]`` of 1 (token) / 0 (padding), the
-                Hugging Face convention.
+                Hugging Face convention (keyword path).
             attn_mask: bool (True = attend) or float (added) mask broadcasting to
-                ``[B, H, L, S]``, or a mask pattern (with its score modifiers).
-            is_causal: causal self-attention (query ``i`` sees keys ``j <= i``).
-            need_weights: also return the attention weights ``[B, H, L, S]``.
-            positions: ``[B, L]`` (or ``[L]``) position ids of the queries for the
-                ``rotary`` component; default ``cache_start .. cache_start+L-1``.
-            q_positions: long ``[B or 1, L]`` slots of the queries, where the pattern
-                and score modifiers evaluate them (default ``arange(L)``).
-            k_positions: long ``[B or 1, S]`` slots of the keys attended to (cached
-                ones included; ``-1`` = empty), e.g. the cache's ``key_slots``.
-            cache: a self-attention cache (the new keys/values are stored at slots
-                ``cache_start..`` and all cached ones are attended to) or a
-                cross-attention cache (filled on the first call, then ``key``/``value``
-                are not needed).
-            cache_start: slot of the first query token in the cache (an int, or a long
-                tensor: a compiled step's position).
-            call: the call a model built once per forward; the trusted path (no
-                validation here).
-            backend: the backend the model resolved for ``call`` (default: the
-                module's ``backend``).
+                ``[B, H, L, S]``, or a mask pattern (keyword path).
+            is_causal: causal self-attention (keyword path).
+            need_weights: also return the attention weights ``[B, H, L, S]`` (keyword
+                path; a plan says it in its call).
+            positions: ``[B, L]`` (or ``[L]``) position ids for the ``rotary``
+                component; default ``cache_start .. cache_start+L-1`` (keyword path).
+            cache_start: slot of the first query token in the cache (keyword path).
 
         Returns:
             ``(output [B, L, D], weights or None)``.
+
+        Raises:
+            TypeError: ``plan`` is not an :class:`AttentionPlan` (pass a key/value
+                input as ``context=``), or keywords given together with a plan.
         """
-        if call is None:
-            check_tensor("query", query)
-        if isinstance(cache, CrossAttentionCache) and cache.filled:
-            return self._attend_cached_cross(
-                query, cache, attn_mask=attn_mask, need_weights=need_weights, call=call
-            )
-        key = query if key is None else key
-        value = key if value is None else value
-        mask: AttnMask = attn_mask
-        if call is None:
-            self._check_inputs(query, key, value)
-            if attention_mask is not None:
-                mask = self._with_padding(attn_mask, attention_mask, key.shape[0], key.shape[1])
-        q_flat, k_flat = self.q_proj(query), self.k_proj(key)  # [b, L, H*h_d], [b, S, H_kv*h_d]
+        if plan is not None:
+            if not isinstance(plan, AttentionPlan):
+                raise TypeError(
+                    f"plan must be an AttentionPlan, got {type(plan).__name__}; pass the "
+                    "key/value input of cross-attention as context="
+                )
+            if (
+                attention_mask is not None
+                or attn_mask is not None
+                or is_causal
+                or need_weights
+                or positions is not None
+                or not (isinstance(cache_start, int) and cache_start == 0)
+            ):
+                raise TypeError(
+                    "pass either a plan or the keywords attention_mask/attn_mask/is_causal/"
+                    "need_weights/positions/cache_start, not both: the plan holds them"
+                )
+            return self._planned(x, plan, cache, context)
+        return self._keywords(
+            x,
+            cache,
+            context,
+            attention_mask,
+            attn_mask,
+            is_causal,
+            need_weights,
+            positions,
+            cache_start,
+        )
+
+    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(q [B, H, L, h_d], k [B, H_kv, S, h_d], v [B, H_kv, S, h_d])``."""
+        kv_in = x if context is None else context
+        q_flat, k_flat = self.q_proj(x), self.k_proj(kv_in)  # [b, L, H*h_d], [b, S, H_kv*h_d]
         if self.q_norm is not None:
             q_flat = self.q_norm(q_flat)
         if self.k_norm is not None:
             k_flat = self.k_norm(k_flat)
         q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
         k = self._split(k_flat, self.num_kv_heads)  # [b, H_kv, S, h_d]
-        v = self._split(self.v_proj(value), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        v = self._split(self.v_proj(kv_in), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        return q, k, v
+
+    def _query(self, x: Tensor) -> Tensor:
+        q_flat = self.q_proj(x)  # [b, L, H*h_d]
+        if self.q_norm is not None:
+            q_flat = self.q_norm(q_flat)
+        return self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
+
+    def _out(self, out: Tensor, b: int, length: int) -> Tensor:
+        out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H*h_d]
+        return self.out_proj(out)
+
+    def _planned(
+        self,
+        x: Tensor,
+        plan: AttentionPlan,
+        cache: KVCache | CrossAttentionCache | None,
+        context: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The model path: project, rotate, hand the new keys/values to the cache, attend."""
+        b, length = x.shape[:2]
+        if isinstance(cache, CrossAttentionCache) and cache.filled:
+            assert cache.key is not None and cache.value is not None
+            out, w = attend(plan, self._query(x), KVView(cache.key, cache.value), scale=self.scale)
+            return self._out(out, b, length), w
+        q, k, v = self._project(x, context)
+        if self.rotary is not None and context is None:
+            pos = plan.positions
+            if pos is None:
+                pos = plan.start + torch.arange(length, device=x.device)
+            q, k = self.rotary(q, pos), self.rotary(k, pos)
+        if isinstance(cache, CrossAttentionCache):
+            cache.store(k, v)
+            view = KVView(k, v)
+        elif cache is not None:
+            view = cache.view(k, v, plan)
+        else:
+            view = KVView(k, v, plan.k_positions)
+        out, w = attend(plan, q, view, scale=self.scale)
+        return self._out(out, b, length), w
+
+    def _keywords(
+        self,
+        query: Tensor,
+        cache: KVCache | CrossAttentionCache | None,
+        context: Tensor | None,
+        attention_mask: Tensor | None,
+        attn_mask: AttnMask,
+        is_causal: bool,
+        need_weights: bool,
+        positions: Tensor | None,
+        cache_start: Start,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The keyword path: validated, through the public attention call."""
+        check_tensor("query", query)
+        if isinstance(cache, CrossAttentionCache) and cache.filled:
+            return self._attend_cached_cross(query, cache, attn_mask, need_weights)
+        key = query if context is None else context
+        self._check_inputs(query, key, key)
+        mask: AttnMask = attn_mask
+        if attention_mask is not None:
+            mask = self._with_padding(attn_mask, attention_mask, key.shape[0], key.shape[1])
+        q, k, v = self._project(query, context)
         if self.rotary is not None:
             if positions is None:
                 positions = cache_start + torch.arange(query.shape[1], device=query.device)
             q = self.rotary(q, positions)
-            if key is query:  # self-attention: keys rotate at the queries' positions
+            if context is None:  # self-attention: keys rotate at the queries' positions
                 k = self.rotary(k, positions)
         if isinstance(cache, CrossAttentionCache):
             cache.store(k, v)
         elif cache is not None:
-            name = self.backend if backend is None else backend
-            if (
-                call is not None
-                and call.block_size
-                and name != "auto"
-                and _get_backend(name).reads_blocks
-            ):  # a paged cache's pools and block tables, no gather
-                k, v, table = cache.update_blocks(k, v, start=cache_start)  # type: ignore[attr-defined]
-                return self._attend(
-                    q, k, v, mask, is_causal, need_weights, q_positions, None, call, name, table
-                )
             k, v = cache.update(k, v, start=cache_start)  # [b, H_kv, S_all, h_d]
-        return self._attend(
-            q, k, v, mask, is_causal, need_weights, q_positions, k_positions, call, backend
-        )
+        return self._attend(q, k, v, mask, is_causal, need_weights)
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         check_tensor("key", key)
@@ -306,71 +377,38 @@ class MultiHeadAttention(nn.Module):
         mask: AttnMask,
         is_causal: bool,
         need_weights: bool,
-        q_positions: Tensor | None = None,
-        k_positions: Tensor | None = None,
-        call: AttentionCall | None = None,
-        backend: str | None = None,
-        block_table: object | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         b, _, length, _ = q.shape
-        dropout = self.dropout if self.training else 0.0
-        if call is None:
-            result = scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout,
-                is_causal=is_causal,
-                scale=self.scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-                backend=self.backend,
-                return_weights=need_weights,
-                q_positions=q_positions,
-                k_positions=k_positions,
-            )
-            out, weights = result if isinstance(result, tuple) else (result, None)
-        else:
-            out, weights = dispatch_trusted(
-                call,
-                q,
-                k,
-                v,
-                mask if isinstance(mask, Tensor) else None,
-                scale=self.scale,
-                backend=self.backend if backend is None else backend,
-                q_positions=q_positions,
-                k_positions=k_positions,
-                block_table=block_table,
-            )
-        out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H*h_d]
-        return self.out_proj(out), weights
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            backend=self.backend,
+            return_weights=need_weights,
+        )
+        out, weights = result if isinstance(result, tuple) else (result, None)
+        return self._out(out, b, length), weights
 
     def _attend_cached_cross(
-        self,
-        query: Tensor,
-        cache: CrossAttentionCache,
-        *,
-        attn_mask: AttnMask,
-        need_weights: bool,
-        call: AttentionCall | None,
+        self, query: Tensor, cache: CrossAttentionCache, attn_mask: AttnMask, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         assert cache.key is not None and cache.value is not None
-        if call is None:
-            if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-                raise ValueError(
-                    f"query must be (batch, seq_len, {self.embed_dim}), got {tuple(query.shape)}"
-                )
-            if cache.key.shape[0] != query.shape[0]:
-                raise ValueError(
-                    f"batch size {query.shape[0]} does not match the cross-attention cache's "
-                    f"{cache.key.shape[0]}"
-                )
-        q_flat = self.q_proj(query)  # [b, L, H*h_d]
-        if self.q_norm is not None:
-            q_flat = self.q_norm(q_flat)
-        q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
-        return self._attend(q, cache.key, cache.value, attn_mask, False, need_weights, call=call)
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query must be (batch, seq_len, {self.embed_dim}), got {tuple(query.shape)}"
+            )
+        if cache.key.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"batch size {query.shape[0]} does not match the cross-attention cache's "
+                f"{cache.key.shape[0]}"
+            )
+        q = self._query(query)  # [b, H, L, h_d]
+        return self._attend(q, cache.key, cache.value, attn_mask, False, need_weights)
 
     # ------------------------------------------------------------------ layouts
 

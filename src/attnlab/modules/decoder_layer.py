@@ -13,14 +13,13 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from attnlab.backends.registry import AttentionCall
-from attnlab.cache.base import CrossAttentionCache, KVCache, Start
-from attnlab.functional.attention import AttnMask
+from attnlab.backends.plan import AttentionPlan
+from attnlab.cache.base import CrossAttentionCache, LayerCache
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.encoder_layer import NormPosition
 from attnlab.modules.moe import MoEOutput
 
-__all__ = ["DecoderLayer", "DecoderLayerOutput"]
+__all__ = ["CrossInputs", "DecoderLayer", "DecoderLayerOutput"]
 
 
 class DecoderLayerOutput(NamedTuple):
@@ -39,13 +38,27 @@ class DecoderLayerOutput(NamedTuple):
     router_logits: Tensor | None
 
 
+class CrossInputs(NamedTuple):
+    """What a decoder layer's cross-attention reads in one forward.
+
+    Attributes:
+        hidden: ``[B, S_enc, D]`` the encoder output (None once ``cache`` is filled).
+        plan: the cross-attention plan (encoder padding as its pattern).
+        cache: this layer's cross-attention cache, or None.
+    """
+
+    hidden: Tensor | None
+    plan: AttentionPlan
+    cache: CrossAttentionCache | None = None
+
+
 class DecoderLayer(nn.Module):
     """Sequence mixer (+ cross-attention) + feed-forward with residuals and norms.
 
     Args:
         self_attention: the sequence mixer: the (causal) self-attention module with its
             position components, or any mixer registered in :mod:`attnlab.models.mixers`
-            (called with the same keywords, returning ``(output, weights or None)``).
+            (called as ``mixer(h, plan, cache)``, returning ``(output, weights or None)``).
         feed_forward: the feed-forward module (:class:`~attnlab.modules.mlp.FeedForward`,
             :class:`~attnlab.modules.mlp.GatedFeedForward`, or a
             :class:`~attnlab.modules.moe.MoEBlock` whose router logits the layer returns),
@@ -101,92 +114,31 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        *,
-        attn_mask: AttnMask = None,
-        is_causal: bool = False,
-        positions: Tensor | None = None,
-        q_positions: Tensor | None = None,
-        k_positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        cache_start: Start = 0,
-        call: AttentionCall | None = None,
-        backend: str | None = None,
-        encoder_hidden_states: Tensor | None = None,
-        encoder_mask: AttnMask = None,
-        cross_cache: CrossAttentionCache | None = None,
-        cross_call: AttentionCall | None = None,
-        need_weights: bool = False,
-        token_mask: Tensor | None = None,
+        plan: AttentionPlan,
+        cache: LayerCache | None = None,
+        cross: CrossInputs | None = None,
     ) -> DecoderLayerOutput:
         """``[B, L, D] -> (hidden [B, L, D], self weights, cross weights, router logits)``.
 
         Args:
             x: the new tokens' hidden states.
-            attn_mask: self-attention mask fitting the keys the cache returns.
-            is_causal: use the backend's causal mask instead of ``attn_mask`` (no cache).
-            positions: query position ids for the position components (RoPE).
-            q_positions: ``[B or 1, L]`` slots of the new tokens (for the pattern and
-                score modifiers).
-            k_positions: ``[B or 1, S]`` slots of the keys the cache returns.
-            cache: this layer's self-attention cache.
-            cache_start: slot of the first new token.
-            call: the self-attention call the model built for this forward (trusted path).
-            backend: the backend resolved for ``call`` (default: the module's own).
-            encoder_hidden_states: ``[B, S_enc, D]`` for cross-attention.
-            encoder_mask: mask over the encoder keys (``[B, 1, 1, S_enc]`` bool or float).
-            cross_cache: this layer's cross-attention cache.
-            cross_call: the cross-attention call the model built for this forward.
-            need_weights: return the attention weights.
-            token_mask: ``[B, L]`` 1/0 over the new tokens, for a mixer that carries a
-                state across tokens (``uses_token_mask``: padded steps leave it unchanged);
-                attention reads padding from ``attn_mask``.
+            plan: the forward's attention plan (the mixer reads what it needs: slots,
+                pattern, backend, the new tokens' padding for a state).
+            cache: this layer's cache (a KV cache, or the mixer's recurrent state).
+            cross: the encoder output, plan and cache of cross-attention.
+
+        Raises:
+            ValueError: a layer with cross-attention and no ``cross`` inputs.
         """
-        state_kw = (
-            {"token_mask": token_mask}
-            if getattr(self.self_attention, "uses_token_mask", False)
-            else {}
-        )
 
         def self_attn(h: Tensor) -> tuple[Tensor, Tensor | None]:
-            out: tuple[Tensor, Tensor | None] = self.self_attention(
-                h,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                positions=positions,
-                q_positions=q_positions,
-                k_positions=k_positions,
-                cache=cache,
-                cache_start=cache_start,
-                need_weights=need_weights,
-                call=call,
-                backend=backend,
-                **state_kw,
-            )
+            out: tuple[Tensor, Tensor | None] = self.self_attention(h, plan, cache)
             return out
 
         x, self_w = self._sublayer(x, self.self_attn_norm, self_attn)
         cross_w = None
         if self.cross_attention is not None:
-            cross = self.cross_attention
-            if encoder_hidden_states is None and not (
-                cross_cache is not None and cross_cache.filled
-            ):
-                raise ValueError("a decoder layer with cross-attention needs encoder_hidden_states")
-
-            def cross_attn(h: Tensor) -> tuple[Tensor, Tensor | None]:
-                out: tuple[Tensor, Tensor | None] = cross(
-                    h,
-                    encoder_hidden_states,
-                    attn_mask=encoder_mask,
-                    cache=cross_cache,
-                    need_weights=need_weights,
-                    call=cross_call,
-                )
-                return out
-
-            assert self.cross_attn_norm is not None
-            x, cross_w = self._sublayer(x, self.cross_attn_norm, cross_attn)
-
+            x, cross_w = self._cross(x, cross)
         router_logits = None
         if self.feed_forward is not None:
             feed_forward = self.feed_forward
@@ -200,3 +152,18 @@ class DecoderLayer(nn.Module):
             assert self.ffn_norm is not None
             x, router_logits = self._sublayer(x, self.ffn_norm, ffn)
         return DecoderLayerOutput(x, self_w, cross_w, router_logits)
+
+    def _cross(self, x: Tensor, cross: CrossInputs | None) -> tuple[Tensor, Tensor | None]:
+        attention = self.cross_attention
+        assert attention is not None and self.cross_attn_norm is not None
+        filled = cross is not None and cross.cache is not None and cross.cache.filled
+        if cross is None or (cross.hidden is None and not filled):
+            raise ValueError("a decoder layer with cross-attention needs encoder_hidden_states")
+
+        def attend(h: Tensor) -> tuple[Tensor, Tensor | None]:
+            out: tuple[Tensor, Tensor | None] = attention(
+                h, cross.plan, cross.cache, context=cross.hidden
+            )
+            return out
+
+        return self._sublayer(x, self.cross_attn_norm, attend)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnlab.backends.api import scaled_dot_product_attention
 from attnlab.functional._checks import check_positive_int, check_probability
-from attnlab.functional.attention import scaled_dot_product_attention
 from attnlab.functional.masks import MaskPattern, padding, sliding_window
 from attnlab.functional.score_mods import ScoreMod
 

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from attnlab.backends.plan import KVView
 from attnlab.cache.base import KVCache, Start
 
 if TYPE_CHECKING:
-    from attnlab.backends.paged import BlockTable
+    from attnlab.backends.plan import AttentionPlan, BlockTable
     from attnlab.cache.paged.pool import PagedKVPool, SeqId, StepBatch
 
 __all__ = ["PagedKVCache"]
@@ -79,6 +80,16 @@ class PagedKVCache(KVCache):
         keys = kp.index_select(0, step.gather).view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
         values = vp.index_select(0, step.gather).view(b, t, h, -1).transpose(1, 2)
         return keys, values
+
+    def view(self, key: Tensor, value: Tensor, plan: AttentionPlan) -> KVView:
+        """Write the new keys/values into the pool; return the pools and block tables when
+        the plan's backend reads blocks, else every row's keys gathered (with the plan's
+        key slots)."""
+        if plan.reads_blocks:
+            kp, vp, table = self.update_blocks(key, value, start=plan.start)
+            return KVView(kp, vp, None, table)
+        k, v = self.update(key, value, start=plan.start)
+        return KVView(k, v, plan.k_positions)
 
     def update_blocks(
         self, key: Tensor, value: Tensor, *, start: Start

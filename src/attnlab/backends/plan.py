@@ -1,0 +1,318 @@
+"""The attention plan: one frozen object per forward, built once, read by every layer.
+
+Shape notation: ``B`` rows, ``H`` query heads, ``H_kv`` key/value heads, ``L`` query
+positions, ``S`` keys, ``N`` tokens of a flat batch, ``n_s`` sequences in it, ``bs``
+block size.
+
+A model (or the serving runner) describes its attention once per forward: where the
+queries and keys sit (slots), the mask pattern with its score modifiers, the new
+tokens' padding (for mixers with a state), the backend chosen for the call, and the KV
+layout (contiguous tensors, or a paged pool's block tables, or a flat batch of several
+sequences in one row). Layers take ``forward(x, plan, cache)``; a cache turns the new
+keys/values into a :class:`KVView` for the plan (:meth:`attnlab.cache.KVCache.view`);
+:func:`attnlab.backends.dispatch.attend` runs the plan over the view. No layer asks the
+registry anything: what the registry said is in the plan (vLLM's per-step attention
+metadata, in attnlab's terms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from attnlab.backends.call import AttentionCall, Backend
+from attnlab.backends.registry import get
+from attnlab.backends.select import choose_call
+from attnlab.functional.masks import MaskPattern
+
+__all__ = ["AttentionPlan", "BlockTable", "KVView", "SequenceLayout", "make_plan"]
+
+#: Where new tokens go: one slot for every row, or a long ``[B]``/0-d tensor.
+Start = int | Tensor
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Where each row's keys/values live in a paged pool, in a step's layout.
+
+    Row ``b`` holds ``lengths[b]`` tokens; token ``p`` sits in pool slot
+    ``table[b, p // bs] * bs + p % bs`` and at slot ``offsets[b] + p`` of the step's
+    virtual layout (the slot the pattern sees). Blocks before ``first_block[b]`` were
+    freed (wholly outside a sliding window) and are not read.
+
+    Attributes:
+        table: long ``[B, nb]`` block ids (entries past a row's blocks are ignored).
+        block_size: tokens per block ``bs``.
+        lengths: tokens stored per row (host ints).
+        offsets: virtual slot of each row's token 0 (host ints; 0 for a flat batch,
+            whose slots are each sequence's own token positions).
+        first_block: first block each row still holds (host ints).
+    """
+
+    table: Tensor
+    block_size: int
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    first_block: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SeqGroup:
+    """Sequences of a flat batch that one attention call runs as rows of a batch.
+
+    A flat step mixes decode tokens (one per sequence) and prefill chunks (many); the
+    attention spreads each group's queries into ``[n_g, W_g]`` (``W_g`` its longest
+    sequence's new tokens) so that no group computes much padding: the decode
+    sequences run together, each chunk with the chunks of about its length.
+
+    Attributes:
+        rows: the group's sequence indices in the layout.
+        width: ``W_g``.
+        spread: long ``[n_g * W_g]``, the flat token at each place (its first token at
+            the left padding).
+        keep: long ``[N_g]``, the group's flat tokens.
+        places: long ``[N_g]``, their places in ``[n_g * W_g]``.
+        blocks: the group's rows of the step's block tables, or None.
+    """
+
+    rows: tuple[int, ...]
+    width: int
+    spread: Tensor
+    keep: Tensor
+    places: Tensor
+    blocks: BlockTable | None = None
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Several sequences' tokens in one flat row ``[1, N]`` (a varlen batch), no padding.
+
+    Sequence ``i`` owns the tokens ``bounds[i]:bounds[i + 1]`` of the row; the plan's
+    ``q_positions`` say where each token sits in its own sequence, and attention never
+    crosses sequences: the ``document`` pattern of the flat row, which the dispatch
+    materialises as rows of a batch (:class:`SeqGroup`), one group per call.
+
+    Attributes:
+        bounds: host ints, ``n_s + 1`` token boundaries (``0 .. N``).
+        seq_ids: long ``[N]``, each token's sequence (its ``document`` id).
+        groups: the attention calls the sequences are grouped into.
+    """
+
+    bounds: tuple[int, ...]
+    seq_ids: Tensor
+    groups: tuple[SeqGroup, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """New tokens of each sequence."""
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: list[int],
+        *,
+        blocks: BlockTable | None = None,
+        device: torch.device | None = None,
+    ) -> SequenceLayout:
+        """The layout of sequences of ``lengths`` new tokens, in this order.
+
+        Groups: every one-token sequence (decode) together; prefill chunks, longest
+        first, share a call while the padded size stays within 1.25x their tokens.
+
+        Args:
+            lengths: new tokens per sequence.
+            blocks: the sequences' block tables (one row each), split per group.
+            device: of the index tensors.
+
+        Raises:
+            ValueError: no sequences, or a length below 1.
+        """
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"a flat batch needs sequences of at least 1 token, got {lengths}")
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        seq = [i for i, n in enumerate(lengths) for _ in range(n)]
+        groups = tuple(_group(rows, bounds, blocks, device) for rows in _group_rows(list(lengths)))
+        return cls(
+            bounds=tuple(bounds),
+            seq_ids=torch.tensor(seq, dtype=torch.long, device=device),
+            groups=groups,
+        )
+
+
+def _group_rows(lengths: list[int]) -> list[list[int]]:
+    decode = [i for i, n in enumerate(lengths) if n == 1]
+    chunks = sorted((i for i, n in enumerate(lengths) if n > 1), key=lambda i: -lengths[i])
+    groups = [decode] if decode else []
+    current: list[int] = []
+    held = 0
+    for i in chunks:
+        n = lengths[i]
+        width = lengths[current[0]] if current else n
+        if current and (len(current) + 1) * width > 1.25 * (held + n):
+            groups.append(current)
+            current, held = [], 0
+        current.append(i)
+        held += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _group(
+    rows: list[int], bounds: list[int], blocks: BlockTable | None, device: torch.device | None
+) -> SeqGroup:
+    width = max(bounds[i + 1] - bounds[i] for i in rows)
+    spread: list[int] = []
+    keep: list[int] = []
+    places: list[int] = []
+    for g, i in enumerate(rows):
+        a, b = bounds[i], bounds[i + 1]
+        spread += [a] * (width - (b - a)) + list(range(a, b))  # right-aligned
+        keep += range(a, b)
+        places += range(g * width + width - (b - a), (g + 1) * width)
+    sub = None
+    if blocks is not None:
+        idx = torch.tensor(rows, dtype=torch.long, device=blocks.table.device)
+        sub = BlockTable(
+            table=blocks.table.index_select(0, idx),
+            block_size=blocks.block_size,
+            lengths=tuple(blocks.lengths[i] for i in rows),
+            offsets=tuple(blocks.offsets[i] for i in rows),
+            first_block=tuple(blocks.first_block[i] for i in rows),
+        )
+
+    def t(x: list[int]) -> Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return SeqGroup(tuple(rows), width, t(spread), t(keep), t(places), sub)
+
+
+@dataclass(frozen=True)
+class KVView:
+    """The keys/values a cache hands to the attention for one plan.
+
+    Either tensors (``key [B, H_kv, S, E]``, ``value [B, H_kv, S, Ev]`` with their slots
+    ``k_positions [B|1, S]``, ``-1`` empty), or a paged layer's pools (``key
+    [slots, H_kv, E]``, ``value [slots, H_kv, Ev]``) with the rows' ``block_table`` for a
+    backend that reads blocks.
+    """
+
+    key: Tensor
+    value: Tensor
+    k_positions: Tensor | None = None
+    block_table: BlockTable | None = None
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One forward's attention, decided once.
+
+    Attributes:
+        call: the call's description (shapes, dtype, mask kind, pattern, ``is_causal``,
+            dropout, grad mode, ``return_weights``, ``block_size`` of a paged layout):
+            what the backend was chosen for.
+        backend: the chosen backend's record.
+        pattern: the mask pattern (with score modifiers), evaluated on slots, or None.
+        positions: ``[B|1, L]`` position ids of the queries for position components
+            (RoPE), or None (then ``start + arange(L)``).
+        q_positions: ``[B|1, L]`` slots of the queries for the pattern, or None.
+        k_positions: ``[B|1, S]`` slots of the keys (the caches' ``key_slots``), or None.
+        start: slot of the first new token (an int, or a tensor in a compiled step).
+        token_mask: ``[B, L]`` 1/0 over the new tokens, for mixers with a state
+            (padded tokens leave it unchanged), or None.
+        layout: a flat varlen batch (``B = 1``), or None.
+        blocks: a paged step's block tables, one row per sequence, or None.
+        write_slots: long ``[N]`` pool slot of each new token of a paged step, or None.
+        state_slots: each sequence's recurrent-state slot in a serving step (recurrent
+            layers), or None.
+    """
+
+    call: AttentionCall
+    backend: Backend
+    pattern: MaskPattern | None = None
+    positions: Tensor | None = None
+    q_positions: Tensor | None = None
+    k_positions: Tensor | None = None
+    start: Start = 0
+    token_mask: Tensor | None = None
+    layout: SequenceLayout | None = None
+    blocks: BlockTable | None = field(default=None, repr=False)
+    write_slots: Tensor | None = field(default=None, repr=False)
+    state_slots: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def need_weights(self) -> bool:
+        """The attention layers return their weights."""
+        return self.call.return_weights
+
+    @property
+    def reads_blocks(self) -> bool:
+        """The backend reads a paged cache's pools through block tables (no gather)."""
+        return self.call.block_size > 0 and self.backend.reads_blocks
+
+    def for_call(self, call: AttentionCall, backend: str = "auto") -> AttentionPlan:
+        """This plan for another call of the same forward (its backend chosen for it)."""
+        return replace(self, call=call, backend=resolve(call, backend))
+
+
+def resolve(call: AttentionCall, backend: str = "auto", *, chosen: str | None = None) -> Backend:
+    """The backend record that runs ``call``: ``auto``'s (memoized) choice, or the named
+    one's (checked), or ``chosen``, a name the caller resolved before (not consulted
+    again: a compiled step cannot read the registry's context)."""
+    if chosen is not None:
+        return get(chosen)
+    return get(choose_call(call, backend).chosen)
+
+
+def make_plan(
+    call: AttentionCall,
+    *,
+    backend: str = "auto",
+    chosen: str | None = None,
+    pattern: MaskPattern | None = None,
+    positions: Tensor | None = None,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+    start: Start = 0,
+    token_mask: Tensor | None = None,
+    layout: SequenceLayout | None = None,
+    blocks: BlockTable | None = None,
+    write_slots: Tensor | None = None,
+    state_slots: Tensor | None = None,
+) -> AttentionPlan:
+    """The plan of ``call``, with its backend chosen now (memoized per call kind).
+
+    Args:
+        call: the call every attention layer of the forward shares.
+        backend: ``"auto"`` (the registry's choice, :func:`~attnlab.backends.use`
+            respected), or a backend name (checked against the call).
+        chosen: a backend name resolved beforehand (e.g. for a compiled step), used as is.
+        pattern, positions, q_positions, k_positions, start, token_mask, layout,
+            blocks, write_slots, state_slots: the :class:`AttentionPlan` fields.
+
+    Raises:
+        ValueError: a named backend that cannot run the call, or an unknown name.
+    """
+    return AttentionPlan(
+        call=call,
+        backend=resolve(call, backend, chosen=chosen),
+        pattern=pattern,
+        positions=positions,
+        q_positions=q_positions,
+        k_positions=k_positions,
+        start=start,
+        token_mask=token_mask,
+        layout=layout,
+        blocks=blocks,
+        write_slots=write_slots,
+        state_slots=state_slots,
+    )
