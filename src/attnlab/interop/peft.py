@@ -44,11 +44,20 @@ _OUTPUT_LAYERS = ("lm_head",)
 
 
 @contextmanager
-def _bases_in_place(model: nn.Module) -> Iterator[None]:
-    """Inside the block, each adapter's base sits where the adapter was (plain key names)."""
-    swapped = list(lora_modules(model))
+def _float_view(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every adapted or quantized linear layer is a plain ``nn.Linear``
+    (on the meta device: shapes only), so the converter's key map sees its usual names."""
+    swapped: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        if any(path.startswith(f"{p}.") for p, _ in swapped):
+            continue
+        if isinstance(m, LoRALinear) or (is_linear_like(m) and not isinstance(m, nn.Linear)):
+            swapped.append((path, m))
     for path, m in swapped:
-        _set(model, path, m.base_layer)
+        bias = getattr(m.base_layer if isinstance(m, LoRALinear) else m, "bias", None)
+        i, o = getattr(m, "in_features"), getattr(m, "out_features")  # noqa: B009
+        stand_in = nn.Linear(int(i), int(o), bias=bias is not None, device="meta")
+        _set(model, path, stand_in)
     try:
         yield
     finally:
@@ -70,9 +79,9 @@ def hf_module_names(model: nn.Module) -> dict[str, str]:
     conv = converter_for(model)
     if conv is None:
         return {}
-    with _bases_in_place(model):
+    with _float_view(model):
         mapping = conv.key_map(model)
-        linear = {name for name, m in model.named_modules() if is_linear_like(m)}
+        linear = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return {
         ours[: -len(".weight")]: theirs[: -len(".weight")]
         for ours, theirs in mapping.items()
@@ -257,7 +266,7 @@ def save_peft_adapter(
     if not any(True for _ in lora_modules(model)):
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to save")
     tensors, modules, shared = _peft_tensors(model)
-    model_type = shared.pop("model_type")
+    shared.pop("model_type")
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM" if hasattr(model, "generate") else None,
@@ -268,7 +277,6 @@ def save_peft_adapter(
         "inference_mode": True,
         "modules_to_save": None,
         **shared,
-        "attnlab": {"model_type": model_type, "modules": modules},
     }
     folder = Path(folder)
     with _atomic_folder(folder) as tmp:
