@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from attnlab._validate import check_int, check_real
+from attnlab._validate import check_int, check_real, check_seed
 
 T = TypeVar("T")
 
@@ -53,6 +53,9 @@ def int_at_least(low: int) -> Callable[[str], int]:
     """An argument type for ints ``>= low``, checked by :func:`attnlab._validate.check_int`."""
     return _number_type(f"an int >= {low}", int, lambda v: check_int("value", v, min_value=low))
 
+
+seed_int = _number_type("a seed", int, lambda v: check_seed("value", v))
+"""An argument type for ``--seed``: an int in ``[0, 2**63 - 1]`` (:func:`check_seed`)."""
 
 port_number = _number_type(
     "a port number", int, lambda v: check_int("value", v, min_value=1, max_value=65535)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab._validate import check_seed
 from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.distill import (
     attention_kl,
@@ -118,6 +119,7 @@ class DistillConfig:
         for i in self.layers:
             check_int("DistillConfig.layers[i]", i, min_value=0)
         check_real("DistillConfig.lr", self.lr, gt=0.0)
+        check_seed("DistillConfig.seed", self.seed)
         weights = ("embedding_weight", "similarity_weight", "attention_weight", "hidden_weight")
         for name in weights:
             check_real(f"DistillConfig.{name}", getattr(self, name), ge=0.0)
