@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._validate import derive_seed
 from attnlab.experiments._common import (
     CONSTANT_LR,
     ExperimentResult,
@@ -72,7 +73,7 @@ class MQAR:
         self.tokenizer = None
 
     def draw(self, count: int, salt: int) -> tuple[Tensor, Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, salt))
         n = self.pairs
         k = torch.argsort(torch.rand(count, self.keys, generator=g), 1)[:, :n]  # [B, n]
         v = torch.randint(self.keys, 2 * self.keys, (count, n), generator=g)

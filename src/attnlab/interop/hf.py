@@ -23,6 +23,7 @@ from attnlab.interop.checkpoints import load_safetensors_dir, read_config
 
 __all__ = [
     "Converter",
+    "converter_for",
     "from_hf",
     "per_layer_keys",
     "register_converter",
@@ -326,15 +327,10 @@ def _is_buffer_key(key: str) -> bool:
     return key.endswith(("position_ids", "token_type_ids"))
 
 
-def to_hf(model: nn.Module) -> nn.Module:
-    """Return the transformers model with the same weights as an attnlab model.
-
-    Raises:
-        ValueError: a model class or configuration transformers has no equivalent for.
-        ImportError: transformers is not installed (the ``hf`` extra).
-    """
+def converter_for(model: nn.Module) -> Converter | None:
+    """The converter ``to_hf`` uses for ``model`` (None when transformers has no equivalent)."""
     _ensure_registered()
-    conv = next(
+    return next(
         (
             c
             for c in _CONVERTERS.values()
@@ -342,6 +338,16 @@ def to_hf(model: nn.Module) -> nn.Module:
         ),
         None,
     )
+
+
+def to_hf(model: nn.Module) -> nn.Module:
+    """Return the transformers model with the same weights as an attnlab model.
+
+    Raises:
+        ValueError: a model class or configuration transformers has no equivalent for.
+        ImportError: transformers is not installed (the ``hf`` extra).
+    """
+    conv = converter_for(model)
     if conv is None:
         raise ValueError(
             f"to_hf cannot convert {type(model).__name__}; supported: "
