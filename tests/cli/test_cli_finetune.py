@@ -66,6 +66,10 @@ def test_lora_run_trains_and_exports_what_peft_and_transformers_load(
     torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
     ours = load_peft_adapter(attnlab.from_hf(chat_model_dir).float(), out / "adapter").eval()
     torch.testing.assert_close(ours(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    # the merged model as GGUF, read back by attnlab's GGUF loader
+    assert s["exports"]["gguf"] == str(out / "merged.gguf")
+    from_file = attnlab.from_gguf(out / "merged.gguf").float().eval()
+    torch.testing.assert_close(from_file(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
     # the adapters moved away from zero: the run changed the model
     base_logits = attnlab.from_hf(chat_model_dir).float()(input_ids=ids).logits
     assert not torch.allclose(want, base_logits, atol=1e-3)

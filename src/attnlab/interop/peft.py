@@ -15,10 +15,7 @@ adapted attnlab model computes; :func:`load_peft_adapter` reads such a folder ba
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._files import atomic_folder
 from attnlab.interop.hf import converter_for
 from attnlab.modules.lora import LoRALinear, apply_lora, is_linear_like, lora_modules
 
@@ -223,26 +221,6 @@ def _peft_tensors(model: nn.Module) -> tuple[dict[str, Tensor], list[str], dict[
     return tensors, modules, shared
 
 
-@contextmanager
-def _atomic_folder(folder: Path) -> Iterator[Path]:
-    """Write into a temporary sibling, then move it into place (no half-written folder)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        yield tmp
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def save_peft_adapter(
     model: nn.Module, folder: str | Path, *, base_model_name_or_path: str | None = None
 ) -> Path:
@@ -279,7 +257,7 @@ def save_peft_adapter(
         **shared,
     }
     folder = Path(folder)
-    with _atomic_folder(folder) as tmp:
+    with atomic_folder(folder) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         safetensors.torch.save_file(
             {k: v.contiguous().clone() for k, v in tensors.items()},

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab._files import atomic_folder
 from attnlab._validate import check_int, check_positive_int, check_real
 from attnlab.modules.lora import apply_lora, is_linear_like, lora_modules, merge_and_unload
 from attnlab.modules.nf4 import quantize_linears
@@ -117,14 +118,10 @@ def load_pretrained(path: str | Path) -> tuple[nn.Module, Any]:
         return attnlab.from_hf(p), transformers.AutoTokenizer.from_pretrained(str(p))
     if not _is_gguf(p):
         raise ValueError(f"model {str(p)!r} is neither a transformers folder nor a .gguf file")
-    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    from_gguf = getattr(attnlab, "from_gguf", None)
-    if from_gguf is not None:
-        return from_gguf(p), tok
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(p.parent), gguf_file=p.name, dtype=torch.float32
-    )
-    return attnlab.from_hf(hf), tok
+    model = attnlab.from_gguf(p)
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError(f"{p} holds no tokenizer, which chat fine-tuning needs")
+    return model, model.tokenizer
 
 
 def _split(rows: list[Any], percent: int) -> tuple[list[Any], list[Any]]:
@@ -287,7 +284,6 @@ def export_all(model: nn.Module, tok: Any, out: Path, *, base: str) -> dict[str,
         log.warning("%s has no transformers equivalent: no peft or merged export", type(model))
         return exports
     save_peft_adapter(model, out / "adapter", base_model_name_or_path=base)
-    tok.save_pretrained(str(out / "adapter"))
     exports["adapter"] = str(out / "adapter")
     merged = merge_and_unload(copy.deepcopy(model)).eval()
     hf = attnlab.to_hf(merged)
@@ -296,18 +292,20 @@ def export_all(model: nn.Module, tok: Any, out: Path, *, base: str) -> dict[str,
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no bar for one shard
     try:
-        hf.save_pretrained(str(out / "merged"))
+        with atomic_folder(out / "merged") as tmp:
+            hf.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
     finally:
         if shown:
             hf_logging.enable_progress_bar()
-    tok.save_pretrained(str(out / "merged"))
     exports["merged"] = str(out / "merged")
-    to_gguf = getattr(attnlab, "to_gguf", None)  # the GGUF writer, where it exists
-    if to_gguf is not None:
-        to_gguf(merged, out / "merged.gguf")
-        exports["gguf"] = str(out / "merged.gguf")
+    try:
+        attnlab.to_gguf(merged, out / "merged.gguf", tokenizer=tok)
+    except ValueError as e:  # to_gguf writes Llama-architecture decoders
+        log.warning("merged.gguf not written: %s", e)
+        exports["gguf_skipped"] = str(e)
     else:
-        log.info("no GGUF writer in this attnlab: merged.gguf not written")
+        exports["gguf"] = str(out / "merged.gguf")
     del merged, hf
     assert any(True for _ in lora_modules(model))  # the trained model keeps its adapters
     return exports
