@@ -14,6 +14,7 @@ from typing import Any
 
 from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.routing import ROUTERS
+from attnlab.models.linear_layout import LINEAR_MIXERS, LinearLayerConfig
 from attnlab.modules.activations import activation_names
 
 __all__ = ["FFN_KINDS", "LayerSpec", "MambaLayerConfig", "MoEConfig"]
@@ -152,14 +153,30 @@ class LayerSpec:
             ``moe``) or ``"none"`` (a mixer-only layer, as in Mamba).
         moe: the mixture of experts when ``ffn == "moe"``.
         mamba: the Mamba mixer's settings when ``mixer == "mamba"`` (None: the defaults).
+        linear: the settings of a linear-attention or gated-recurrence mixer
+            (``"delta_net"``, ``"gated_delta_net"``, ``"gla"``, ``"rglru"``, ``"short_conv"``;
+            None: the defaults).
     """
 
     mixer: str = "attention"
     ffn: str = "dense"
     moe: MoEConfig | None = field(default=None)
     mamba: MambaLayerConfig | None = field(default=None)
+    linear: LinearLayerConfig | None = field(default=None)
 
     def __post_init__(self) -> None:
+        if isinstance(self.linear, dict):
+            object.__setattr__(self, "linear", LinearLayerConfig(**self.linear))
+        if self.linear is not None:
+            if not isinstance(self.linear, LinearLayerConfig):
+                raise TypeError(
+                    f"linear must be a LinearLayerConfig or None, got {type(self.linear).__name__}"
+                )
+            if self.mixer not in LINEAR_MIXERS:
+                raise ValueError(
+                    f"linear=LinearLayerConfig(...) configures a mixer in {list(LINEAR_MIXERS)}, "
+                    f"got mixer={self.mixer!r}"
+                )
         if isinstance(self.moe, dict):
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if isinstance(self.mamba, dict):
