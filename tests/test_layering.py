@@ -19,6 +19,7 @@ LAYERS = {
     "functional": 0,
     "counting": 0,
     "_validate": 0,
+    "_files": 0,
     "errors": 0,
     "backend_traits": 0,
     "backends": 1,

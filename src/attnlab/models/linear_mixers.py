@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from attnlab.backends.plan import AttentionPlan
 from attnlab.cache.linear_state import DeltaNetState, GLAState, RGLRUState, ShortConvState
 from attnlab.cache.recurrent import RecurrentState
 from attnlab.models.linear_layout import LinearLayerConfig
@@ -37,21 +38,13 @@ __all__ = ["PositionalStateMixer"]
 class PositionalStateMixer(StateMixer):
     """A :class:`StateMixer` that also hands the mixer the tokens' ``positions`` (RG-LRU's reset)."""
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        cache: Any = None,
-        token_mask: Tensor | None = None,
-        positions: Tensor | None = None,
-        **attention_keywords: Any,
-    ) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, plan: AttentionPlan, cache: Any = None) -> tuple[Tensor, None]:
         if cache is not None and not isinstance(cache, RecurrentState):
             raise TypeError(
                 f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
                 f"{type(cache).__name__}; build the cache with the model's new_cache()"
             )
-        out: Tensor = self.mixer(x, mask=token_mask, state=cache, positions=positions)
+        out: Tensor = self.mixer(x, mask=plan.token_mask, state=cache, positions=plan.positions)
         return out, None
 
 
