@@ -411,6 +411,7 @@ def _accepts(module: nn.Module, name: str) -> bool:
 
 @contextlib.contextmanager
 def _attention_capture(model: nn.Module, found: list[tuple[str, Tensor]]) -> Iterator[None]:
+    from attnlab.backends.plan import AttentionPlan
     from attnlab.modules.attention import MultiHeadAttention
 
     handles = []
@@ -418,9 +419,12 @@ def _attention_capture(model: nn.Module, found: list[tuple[str, Tensor]]) -> Ite
         if isinstance(module, MultiHeadAttention):
 
             def pre(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-                kwargs = dict(kwargs)
-                kwargs["need_weights"] = True
-                return args, kwargs
+                plan = args[1] if len(args) > 1 else kwargs.get("plan")
+                if isinstance(plan, AttentionPlan):  # a model's layer: the plan says it
+                    if len(args) > 1:
+                        return (args[0], plan.with_weights(), *args[2:]), kwargs
+                    return args, {**kwargs, "plan": plan.with_weights()}
+                return args, {**kwargs, "need_weights": True}
 
             def post(mod: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
                 if isinstance(output, tuple) and len(output) > 1 and isinstance(output[1], Tensor):

@@ -259,6 +259,16 @@ class AttentionPlan:
         """The backend reads a paged cache's pools through block tables (no gather)."""
         return self.call.block_size > 0 and self.backend.reads_blocks
 
+    def with_weights(self) -> AttentionPlan:
+        """This plan returning the attention weights (for tools that read them): its
+        backend if that one returns weights, else ``auto``'s choice for such a call."""
+        call = replace(self.call, return_weights=True)
+        try:
+            backend = resolve(call, self.backend.name)
+        except ValueError:  # the plan's backend returns no weights
+            backend = resolve(call)
+        return replace(self, call=call, backend=backend)
+
     def for_call(self, call: AttentionCall, backend: str = "auto") -> AttentionPlan:
         """This plan for another call of the same forward (its backend chosen for it)."""
         return replace(self, call=call, backend=resolve(call, backend))

@@ -169,7 +169,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
+        query: Tensor,
         plan: AttentionPlan | None = None,
         cache: KVCache | CrossAttentionCache | None = None,
         *,
@@ -181,10 +181,10 @@ class MultiHeadAttention(nn.Module):
         positions: Tensor | None = None,
         cache_start: Start = 0,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from ``x`` to itself (or to ``context``).
+        """Attend from ``query`` to itself (or to ``context``).
 
         Args:
-            x: the queries' input ``[B, L, D]``.
+            query: the queries' input ``[B, L, D]`` (``x``, for a model's layer).
             plan: the forward's attention plan (the model path: no other keyword but
                 ``context`` may be given), or None to describe the call with keywords.
             cache: a self-attention cache (the new keys/values are stored at the plan's
@@ -228,9 +228,9 @@ class MultiHeadAttention(nn.Module):
                     "pass either a plan or the keywords attention_mask/attn_mask/is_causal/"
                     "need_weights/positions/cache_start, not both: the plan holds them"
                 )
-            return self._planned(x, plan, cache, context)
+            return self._planned(query, plan, cache, context)
         return self._keywords(
-            x,
+            query,
             cache,
             context,
             attention_mask,
