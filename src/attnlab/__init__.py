@@ -7,7 +7,14 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "embed", "from_hf", "load_embedding_model", "to_hf"]
+__all__ = [
+    "__version__",
+    "embed",
+    "from_hf",
+    "load_embedding_model",
+    "supported_architectures",
+    "to_hf",
+]
 
 
 def from_hf(model_or_local_dir: Any) -> Any:
@@ -18,6 +25,16 @@ def from_hf(model_or_local_dir: Any) -> Any:
     from attnlab.interop.hf import from_hf as _from_hf
 
     return _from_hf(model_or_local_dir)
+
+
+def supported_architectures() -> list[str]:
+    """The transformers ``model_type`` names :func:`from_hf` converts (sorted).
+
+    See :func:`attnlab.interop.hf.supported_architectures`.
+    """
+    from attnlab.interop.hf import supported_architectures as _supported
+
+    return _supported()
 
 
 def to_hf(model: Any) -> Any:

@@ -118,6 +118,7 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        qwen,
         ssm,
         t5,
     )
