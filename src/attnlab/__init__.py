@@ -10,9 +10,11 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "embed",
+    "from_gguf",
     "from_hf",
     "load_embedding_model",
     "supported_architectures",
+    "to_gguf",
     "to_hf",
 ]
 
@@ -37,6 +39,16 @@ def supported_architectures() -> list[str]:
     return _supported()
 
 
+def from_gguf(path: Any, **kwargs: Any) -> Any:
+    """Load a GGUF file (llama.cpp's format) as a :class:`~attnlab.models.DecoderLM`.
+
+    See :func:`attnlab.interop.gguf.from_gguf` (keywords ``dtype``, ``tokenizer``, ``progress``).
+    """
+    from attnlab.interop.gguf import from_gguf as _from_gguf
+
+    return _from_gguf(path, **kwargs)
+
+
 def to_hf(model: Any) -> Any:
     """Convert an attnlab model to the ``transformers`` model with the same weights.
 
@@ -45,6 +57,17 @@ def to_hf(model: Any) -> Any:
     from attnlab.interop.hf import to_hf as _to_hf
 
     return _to_hf(model)
+
+
+def to_gguf(model: Any, path: Any, **kwargs: Any) -> Any:
+    """Write a Llama-architecture :class:`~attnlab.models.DecoderLM` as a GGUF file.
+
+    See :func:`attnlab.interop.gguf_writer.to_gguf` (keywords ``dtype`` = ``"f32"``,
+    ``"f16"`` or ``"q8_0"``, ``name``, ``tokenizer``).
+    """
+    from attnlab.interop.gguf_writer import to_gguf as _to_gguf
+
+    return _to_gguf(model, path, **kwargs)
 
 
 def load_embedding_model(model: Any = None) -> Any:

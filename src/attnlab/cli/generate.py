@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.cli._common import (
-    any_int,
     nonnegative_int,
     positive_float,
     positive_int,
     print_json,
     probability_float,
+    seed_int,
     token_ids,
 )
 
@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=probability_float, default=None)
     p.add_argument("--eos", type=nonnegative_int, default=None, help="end-of-sequence token id")
-    p.add_argument("--seed", type=any_int, default=0, help="seed of the random model and sampler")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random model and sampler")
     p.add_argument(
         "--json",
         action="store_true",

@@ -208,3 +208,6 @@ def _mamba(config: DecoderConfig, parts: MixerParts) -> nn.Module:
 register_mixer(
     Mixer(name="mamba", build=_mamba, new_cache=lambda config, kind, max_length: MambaState())
 )
+
+# the linear-attention and gated-recurrence mixers register themselves on import
+from attnlab.models import linear_mixers as _linear_mixers  # noqa: E402, F401
