@@ -117,6 +117,7 @@ def _ensure_registered() -> None:
         bloom,
         gpt2,
         jamba,
+        lfm2,
         llama,
         longformer,
         moe,
