@@ -41,6 +41,7 @@ SUBCOMMANDS: list[str] = [
     "train",
     "serve",
     "distill",
+    "finetune",
     "experiment",
 ]
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self
 
+from attnlab._files import atomic_write_text
 from attnlab._validate import check_seed
 from attnlab.functional._checks import check_int, check_positive_int, check_probability, check_real
 
@@ -302,7 +303,7 @@ class TrainConfig:
         return cls(**kw)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def _parse_value(text: str) -> Any:
