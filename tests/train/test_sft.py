@@ -164,3 +164,14 @@ def test_jsonl_rows_and_errors(tmp_path):
         read_chat_jsonl(p)
     with pytest.raises(ValueError, match="does not exist"):
         read_chat_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_the_stdlib_instruction_set_is_well_formed_and_fixed():
+    from attnlab.train.instructions import stdlib_docstring_rows
+
+    rows = stdlib_docstring_rows()
+    assert len(rows) > 100 and rows == stdlib_docstring_rows()
+    for r in rows[:20]:
+        user, assistant = r["messages"]
+        assert user["role"] == "user" and "`" in user["content"]
+        assert assistant["role"] == "assistant" and 40 <= len(assistant["content"]) <= 400

@@ -115,6 +115,7 @@ def _ensure_registered() -> None:
     from attnlab.interop import (  # noqa: F401  (registers)
         bert,
         bloom,
+        gemma,
         gpt2,
         jamba,
         lfm2,

@@ -103,8 +103,13 @@ def _is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-def load_pretrained(path: str | Path) -> tuple[nn.Module, Any]:
+def load_pretrained(
+    path: str | Path, *, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Any]:
     """``(attnlab model, transformers tokenizer)`` of a model folder or a ``.gguf`` file.
+
+    A ``.gguf`` file is dequantized to ``dtype`` (QLoRA loads in bfloat16: half the
+    memory on the way to NF4); a folder keeps its weights' dtype.
 
     Raises:
         ValueError: a path that is neither a folder nor a ``.gguf`` file.
@@ -118,7 +123,7 @@ def load_pretrained(path: str | Path) -> tuple[nn.Module, Any]:
         return attnlab.from_hf(p), transformers.AutoTokenizer.from_pretrained(str(p))
     if not _is_gguf(p):
         raise ValueError(f"model {str(p)!r} is neither a transformers folder nor a .gguf file")
-    model = attnlab.from_gguf(p)
+    model = attnlab.from_gguf(p, dtype=dtype)
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{p} holds no tokenizer, which chat fine-tuning needs")
     return model, model.tokenizer
@@ -152,10 +157,10 @@ def prepare_model(model: nn.Module, config: FinetuneConfig) -> nn.Module:
     """Float32 master weights, NF4 base (QLoRA), adapters on the targets, frozen rest."""
     from attnlab.interop.peft import resolve_targets
 
-    model = model.float()
     units = resolve_targets(model, config.targets)  # by the float layers' names
     if config.qlora:
-        quantize_linears(model, _quantizable(model))
+        quantize_linears(model, _quantizable(model))  # NF4 from the weights as loaded
+    model = model.float()  # master weights (and what stays float in QLoRA) in float32
     apply_lora(
         model,
         units,
@@ -198,7 +203,9 @@ def finetune(config: FinetuneConfig, *, resume: str | None = None) -> dict[str, 
     from attnlab.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    model, tok = load_pretrained(config.model)
+    model, tok = load_pretrained(
+        config.model, dtype=torch.bfloat16 if config.qlora else torch.float32
+    )
     rows = read_chat_jsonl(config.data)
     if config.eval_data:
         train_rows, held_rows = rows, read_chat_jsonl(config.eval_data)
