@@ -40,7 +40,12 @@ from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
-from attnlab.models.decoder_parts import layer_pattern, layer_rotaries, score_mods
+from attnlab.models.decoder_parts import (
+    AttentionGroup,
+    layer_pattern,
+    layer_rotaries,
+    score_mods,
+)
 from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
 from attnlab.models.outputs import CausalLMOutput
@@ -576,6 +581,28 @@ class DecoderLM(nn.Module):
                 token_mask=token_mask,
             )
         return plans
+
+    def explain_attention(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> list[AttentionGroup]:
+        """How an uncached forward of ``input_ids`` would attend, one entry per distinct
+        window: the layers, their window and pattern, and the registry's
+        :class:`~attnlab.backends.call.Explanation` of the backend they run
+        (``str()`` of an entry prints it). Runs no layer."""
+        b, n = input_ids.shape
+        x = self.output_weight.new_empty((b, n, self.config.hidden_size))  # shape and dtype
+        mask = self._check_mask(attention_mask, b, n)
+        q_slots = torch.arange(n, device=x.device)[None]
+        plans = self._plans(x, 0, mask, q_slots, q_slots, None, False, None, None)
+        out = []
+        for window, plan in plans.items():
+            layers = tuple(i for i, w in enumerate(self.layer_windows) if w == window)
+            pattern = plan.pattern
+            shown = (
+                "causal (is_causal)" if pattern is None and plan.call.is_causal else repr(pattern)
+            )
+            out.append(AttentionGroup(layers, window, shown, choose_call(plan.call, self.backend)))
+        return out
 
     def _pattern(
         self,
