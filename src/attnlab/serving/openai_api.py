@@ -316,9 +316,14 @@ def build_app(
             ]
         }
 
-    def _usage(prompts: list[list[int]], generated: int) -> dict[str, int]:
+    def _usage(
+        prompts: list[list[int]], generated: int, request: Request | None = None
+    ) -> dict[str, int]:
         p = sum(len(x) for x in prompts)
-        return {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
+        usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
+        if request is not None:  # for the access log (serving/access_log.py)
+            request.scope["attnlab.usage"] = usage
+        return usage
 
     def _sse(obj: Any) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -357,7 +362,9 @@ def build_app(
                     }
                 )
             generated = sum(len(d.token_ids) for d in acc.values())
-            return JSONResponse(base | {"choices": choices, "usage": _usage(prompts, generated)})
+            return JSONResponse(
+                base | {"choices": choices, "usage": _usage(prompts, generated, request)}
+            )
 
         async def events() -> AsyncIterator[str]:
             generated = 0
@@ -381,7 +388,7 @@ def build_app(
             except APIError as e:
                 yield _sse(e.body())
             if usage_opt:
-                yield _sse(base | {"choices": [], "usage": _usage(prompts, generated)})
+                yield _sse(base | {"choices": [], "usage": _usage(prompts, generated, request)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -438,7 +445,9 @@ def build_app(
                 for (_, j), d in sorted(acc.items())
             ]
             generated = sum(len(d.token_ids) for d in acc.values())
-            return JSONResponse(base | {"choices": choices, "usage": _usage([ids], generated)})
+            return JSONResponse(
+                base | {"choices": choices, "usage": _usage([ids], generated, request)}
+            )
         base["object"] = "chat.completion.chunk"
 
         async def events() -> AsyncIterator[str]:
@@ -463,7 +472,7 @@ def build_app(
             except APIError as e:
                 yield _sse(e.body())
             if usage_opt:
-                yield _sse(base | {"choices": [], "usage": _usage([ids], generated)})
+                yield _sse(base | {"choices": [], "usage": _usage([ids], generated, request)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
