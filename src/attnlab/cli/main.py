@@ -44,6 +44,7 @@ SUBCOMMANDS: list[str] = [
     "train",
     "serve",
     "distill",
+    "finetune",
     "experiment",
 ]
 

@@ -120,6 +120,7 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        qwen,
         ssm,
         t5,
     )

@@ -5,21 +5,34 @@ response has been sent in full (streams included)::
 
     POST /v1/chat/completions 200 prompt=37 completion=9 0.84s
 
-The token counts are what a route handler left in ``scope["attnlab.usage"]`` (the
-OpenAI routes put their ``usage`` there); routes without one print ``-``.
+The token counts are what the route handler passed to :func:`record_usage` while it
+ran (the OpenAI routes record every ``usage`` they compute, and their totals at the end
+of a stream); routes that record none print ``-``. The record travels in a context
+variable holding a dict that this middleware creates per request, so it reaches
+handlers running in other tasks (FastAPI's middleware stack, streaming bodies).
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, TextIO
 
-__all__ = ["USAGE_KEY", "AccessLog"]
+__all__ = ["AccessLog", "record_usage"]
 
-#: the ASGI scope key where route handlers leave ``{"prompt_tokens": ..., "completion_tokens": ...}``
-USAGE_KEY = "attnlab.usage"
+_USAGE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "attnlab_usage", default=None
+)
+
+
+def record_usage(usage: dict[str, int]) -> None:
+    """Note the current request's token counts for its log line (no-op outside one)."""
+    holder = _USAGE.get()
+    if holder is not None:
+        holder.update(usage)
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,6 +53,8 @@ class AccessLog:
             return
         start = time.perf_counter()
         status: list[int] = []
+        usage: dict[str, Any] = {}
+        token = _USAGE.set(usage)
 
         async def record(message: Message) -> None:
             if message.get("type") == "http.response.start":
@@ -49,10 +64,10 @@ class AccessLog:
         try:
             await self.app(scope, receive, record)
         finally:
-            self._write(scope, status[0] if status else 500, time.perf_counter() - start)
+            _USAGE.reset(token)
+            self._write(scope, status[0] if status else 500, usage, time.perf_counter() - start)
 
-    def _write(self, scope: Scope, status: int, seconds: float) -> None:
-        usage = scope.get(USAGE_KEY) or {}
+    def _write(self, scope: Scope, status: int, usage: dict[str, Any], seconds: float) -> None:
         tokens = (
             f"prompt={usage.get('prompt_tokens', '-')} "
             f"completion={usage.get('completion_tokens', '-')}"
