@@ -115,8 +115,10 @@ def _ensure_registered() -> None:
     from attnlab.interop import (  # noqa: F401  (registers)
         bert,
         bloom,
+        gemma,
         gpt2,
         jamba,
+        lfm2,
         llama,
         longformer,
         moe,
