@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3, Qwen3-MoE (and the families added beside them) against transformers 5.
+"""Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 (text) against transformers 5.
 
 One harness for every decoder: tiny random float32 configs, weights drawn wide enough
 that the comparisons mean something, transformers' eager attention as the reference.
@@ -22,8 +22,11 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.backend_traits import TRAITS
 from attnlab.interop.hf import _converter
 from attnlab.models.decoder import DecoderLM
+from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.layout import MoEConfig
 
 tf = pytest.importorskip("transformers")
 
@@ -56,11 +59,31 @@ def _qwen3_moe() -> Any:
     return tf.Qwen3MoeForCausalLM(cfg)
 
 
+GEMMA: dict[str, Any] = dict(BASE, head_dim=8, query_pre_attn_scalar=10, sliding_window=5)
+
+
+def _gemma2() -> Any:
+    cfg = tf.Gemma2Config(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    return tf.Gemma2ForCausalLM(cfg)
+
+
+def _gemma3() -> Any:
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    cfg = tf.Gemma3TextConfig(**GEMMA, layer_types=types, rope_parameters=rope)
+    return tf.Gemma3ForCausalLM(cfg)
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**BASE, **WINDOWED)),
     "qwen2_tied": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**BASE, tie_word_embeddings=True)),
     "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**BASE, head_dim=16, **WINDOWED)),
     "qwen3_moe": _qwen3_moe,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
 }
 
 
@@ -188,3 +211,49 @@ def test_bfloat16_within_the_references_own_error(pair: tuple[str, Any, DecoderL
     ref_err = (theirs.float() - exact).abs().mean()
     our_err = (mine.float() - exact).abs().mean()
     assert our_err <= 2.0 * ref_err, (our_err, ref_err)
+
+
+SMALL: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+PRESETS: dict[str, tuple[Callable[..., DecoderConfig], str]] = {
+    "qwen2": (DecoderConfig.qwen2, "Qwen2ForCausalLM"),
+    "qwen3": (DecoderConfig.qwen3, "Qwen3ForCausalLM"),
+    "qwen3_moe": (
+        lambda **kw: DecoderConfig.qwen3_moe(
+            moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16), **kw
+        ),
+        "Qwen3MoeForCausalLM",
+    ),
+    "gemma2": (lambda **kw: DecoderConfig.gemma2(window=4, **kw), "Gemma2ForCausalLM"),
+    "gemma3": (lambda **kw: DecoderConfig.gemma3(window=4, **kw), "Gemma3ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_convert_to_their_transformers_class(name: str) -> None:
+    preset, cls = PRESETS[name]
+    torch.manual_seed(0)
+    ours = DecoderLM(preset(**SMALL)).eval()
+    hf = attnlab.to_hf(ours)
+    assert type(hf).__name__ == cls
+    ids, _, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_local_layers_run_on_a_block_skipping_backend_with_their_window() -> None:
+    config = DecoderConfig.gemma2(window=64, **(SMALL | {"num_hidden_layers": 4}))
+    model = DecoderLM(config).eval()
+    groups = model.explain_attention(torch.zeros(1, 512, dtype=torch.long))
+    local, glob = groups
+    assert local.layers == (0, 2) and local.window == 64 and glob.window is None
+    assert "sliding_window(left=63" in local.pattern and "softcap" in local.pattern
+    assert TRAITS[local.explanation.chosen].skips == "pattern"  # the window's tiles only
+    assert "layers [0, 2] (window 64)" in str(local)

@@ -38,7 +38,12 @@ from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
-from attnlab.models.decoder_parts import layer_pattern, layer_rotaries, score_mods
+from attnlab.models.decoder_parts import (
+    AttentionGroup,
+    layer_pattern,
+    layer_rotaries,
+    score_mods,
+)
 from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
 from attnlab.models.outputs import CausalLMOutput
@@ -503,17 +508,7 @@ class DecoderLM(nn.Module):
             x = self.dropout(x)
         # the new tokens' padding, for mixers whose state must skip pads (Mamba)
         token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
-        groups: dict[int | None, tuple[Any, ...]] = {}
-        for window in dict.fromkeys(self.layer_windows):  # one pattern and call per window
-            # the slots of the first attention layer of this window (others carry states)
-            first = _first_kv(cache, self.layer_windows, window)
-            pattern, is_causal, q_pos, k_pos = self._pattern(
-                first, mask, start, n, q_slots, extra, window=window
-            )
-            s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-            call = self._attention_call(x, pattern, is_causal, s, output_attentions, first)
-            chosen = self._backend_for(call) if backend is None else backend  # once a forward
-            groups[window] = (pattern, is_causal, q_pos, k_pos, call, chosen)
+        groups = self._groups(x, cache, mask, start, q_slots, extra, output_attentions, backend)
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         router_logits: list[Tensor] = []
@@ -561,6 +556,52 @@ class DecoderLM(nn.Module):
             tuple(attentions) if output_attentions else None,
             tuple(router_logits) if output_router_logits else None,
         )
+
+    def _groups(
+        self,
+        x: Tensor,
+        cache: ModelCache | None,
+        mask: Tensor | None,
+        start: Start,
+        q_slots: Tensor,
+        extra: MaskPattern | None,
+        need_weights: bool,
+        backend: str | None,
+    ) -> dict[int | None, tuple[Any, ...]]:
+        """One ``(pattern, is_causal, q slots, k slots, call, backend)`` per distinct window
+        of the layers (None: the global layers), the backend chosen once per forward."""
+        n = x.shape[1]
+        groups: dict[int | None, tuple[Any, ...]] = {}
+        for window in dict.fromkeys(self.layer_windows):
+            # the slots of the first attention layer of this window (others carry states)
+            first = _first_kv(cache, self.layer_windows, window)
+            pattern, is_causal, q_pos, k_pos = self._pattern(
+                first, mask, start, n, q_slots, extra, window=window
+            )
+            s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+            call = self._attention_call(x, pattern, is_causal, s, need_weights, first)
+            chosen = self._backend_for(call) if backend is None else backend
+            groups[window] = (pattern, is_causal, q_pos, k_pos, call, chosen)
+        return groups
+
+    def explain_attention(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> list[AttentionGroup]:
+        """How an uncached forward of ``input_ids`` would attend, one entry per distinct
+        window: the layers, their window and pattern, and the registry's
+        :class:`~attnlab.backends.registry.Explanation` of the backend they run
+        (``str()`` of an entry prints it). Runs no layer."""
+        b, n = input_ids.shape
+        x = self.output_weight.new_empty((b, n, self.config.hidden_size))  # shape and dtype
+        mask = self._check_mask(attention_mask, b, n)
+        q_slots = torch.arange(n, device=x.device)[None]
+        groups = self._groups(x, None, mask, 0, q_slots, None, False, None)
+        out = []
+        for window, (pattern, is_causal, _, _, call, _) in groups.items():
+            layers = tuple(i for i, w in enumerate(self.layer_windows) if w == window)
+            shown = "causal (is_causal)" if pattern is None and is_causal else repr(pattern)
+            out.append(AttentionGroup(layers, window, shown, choose_call(call, self.backend)))
+        return out
 
     def _pattern(
         self,

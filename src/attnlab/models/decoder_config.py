@@ -323,3 +323,56 @@ class DecoderConfig(ConfigBase):
             layers=(LayerSpec(ffn="moe", moe=moe),) * n,
         )
         return cls(**(base | overrides))
+
+    @classmethod
+    def gemma2(cls, *, window: int = 4096, **overrides: Any) -> DecoderConfig:
+        """Gemma 2 (Gemma Team, 2024): local (``window``) and global layers alternating
+        (the first local), soft-capped scores (50) and logits (30), scores scaled by
+        ``query_pre_attn_scalar ** -0.5``, four norms per layer of ``x * (1 + w)``,
+        GeGLU (tanh GELU), tied embeddings scaled by ``sqrt(hidden_size)``."""
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        return cls(**(_gemma_base(overrides, n, window, period=2) | overrides))
+
+    @classmethod
+    def gemma3(cls, *, window: int = 4096, **overrides: Any) -> DecoderConfig:
+        """Gemma 3's text decoder (Gemma Team, 2025): five local layers (``window``, RoPE
+        base 10000) to one global (RoPE base 1e6), per-head QK-norm, Gemma 2's norms,
+        GeGLU and scaled embeddings, no soft-capping."""
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        base = _gemma_base(overrides, n, window, period=6, local_theta=10000.0)
+        base |= dict(
+            qk_norm=True,
+            qk_norm_scope="head",
+            rope_theta=1e6,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            model_type="gemma3_text",
+        )
+        return cls(**(base | overrides))
+
+
+def _gemma_base(
+    overrides: dict[str, Any],
+    n: int,
+    window: int,
+    *,
+    period: int,
+    local_theta: float | None = None,
+) -> dict[str, Any]:
+    """Gemma's shared components; every ``period``-th layer global, the others local."""
+    hidden = overrides.get("hidden_size", DecoderConfig.hidden_size)
+    heads = overrides.get("num_attention_heads", DecoderConfig.num_attention_heads)
+    head_dim = overrides.get("head_dim") or hidden // heads
+    local = LayerSpec(sliding_window=window, rope_theta=local_theta)
+    return dict(
+        norm="gemma_rmsnorm",
+        norm_placement="sandwich",
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        embedding_scale=hidden**0.5,
+        query_pre_attn_scalar=float(head_dim),
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        model_type="gemma2",
+        layers=tuple(LayerSpec() if (i + 1) % period == 0 else local for i in range(n)),
+    )

@@ -10,15 +10,38 @@ distinct window, with the config's score modifiers (soft-capping, ALiBi) attache
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import Tensor
 
+from attnlab.backends.registry import Explanation
 from attnlab.functional.masks import MaskPattern, causal, padding, sliding_window
 from attnlab.functional.positions import RopeConvention
 from attnlab.functional.score_mods import ScoreMod, alibi, softcap
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.modules.positions import RotaryEmbedding
 
-__all__ = ["layer_pattern", "layer_rotaries", "score_mods"]
+__all__ = ["AttentionGroup", "layer_pattern", "layer_rotaries", "score_mods"]
+
+
+class AttentionGroup(NamedTuple):
+    """The layers that share one attention pattern in a forward, and how they run.
+
+    Attributes:
+        layers: their indices.
+        window: their sliding window (None: global attention).
+        pattern: the pattern they evaluate, as text.
+        explanation: the registry's choice of backend for them, and why.
+    """
+
+    layers: tuple[int, ...]
+    window: int | None
+    pattern: str
+    explanation: Explanation
+
+    def __str__(self) -> str:
+        where = f"window {self.window}" if self.window is not None else "global"
+        return f"layers {list(self.layers)} ({where}): {self.pattern}\n{self.explanation}"
 
 
 def layer_rotaries(config: DecoderConfig) -> list[RotaryEmbedding | None]:
