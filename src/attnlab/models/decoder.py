@@ -624,7 +624,7 @@ class DecoderLM(nn.Module):
         one new token against a contiguous cache of every earlier slot (it sees them all).
         """
         mods = score_mods(self.config, self.alibi_slopes)
-        plain = mask is None and window is None and not mods and extra is None
+        plain = mask is None and window is None and len(mods) == 0 and extra is None
         contiguous = first is None or isinstance(first, DynamicKVCache)
         if plain and contiguous and isinstance(start, int):
             if start == 0:
