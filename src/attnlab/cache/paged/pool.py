@@ -31,35 +31,19 @@ content hash.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from attnlab.backends.paged import BlockTable
+from attnlab.backends.plan import BlockTable
 from attnlab.cache.kv_cache import ModelCache
-from attnlab.cache.paged.allocator import BlockAllocator, OutOfBlocks, block_hash
-from attnlab.functional._checks import check_positive_int
+from attnlab.cache.paged.allocator import BlockAllocator, OutOfBlocks
+from attnlab.cache.paged.manager import KVManager, SeqId, _Sequence
+from attnlab.cache.paged.storage import KVStorage
 
 __all__ = ["PagedKVPool", "StepBatch"]
-
-SeqId = Hashable
-
-
-@dataclass
-class _Sequence:
-    blocks: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # known token ids (stored or pending)
-    computed: int = 0  # tokens whose keys/values are stored
-    reserved: int = 0  # tokens that have slots (>= computed)
-    hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
-    hashable: bool = True  # token ids are known (False for rows of a plain generate)
-    first_live: int = 0  # leading blocks freed behind a sliding window (entries are FREED)
-
-
-#: A block-table entry whose block was freed (wholly outside the sliding window).
-FREED = -1
 
 
 @dataclass
@@ -128,43 +112,39 @@ class PagedKVPool:
         prefix_caching: bool = True,
         sliding_window: int | None = None,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-        ):
-            check_positive_int(name, value)
-        vd = (
-            head_dim
-            if value_head_dim is None
-            else check_positive_int("value_head_dim", value_head_dim)
-        )
         from attnlab.cache.paged.cache import PagedKVCache
 
-        if sliding_window is not None:
-            check_positive_int("sliding_window", sliding_window)
-        self.sliding_window = sliding_window
+        self.manager = KVManager(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            sliding_window=sliding_window,
+        )
+        self.storage = KVStorage(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+            value_head_dim=value_head_dim,
+        )
         self.num_layers = num_layers
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.prefix_caching = prefix_caching
-        slots = num_blocks * block_size
-        self.keys = [
-            torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]  # [N*bs, H_kv, h_d] each
-        self.values = [
-            torch.zeros(slots, num_kv_heads, vd, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
-        self.allocator = BlockAllocator(num_blocks=num_blocks)
-        self.seqs: dict[SeqId, _Sequence] = {}
         self.layers = [PagedKVCache(pool=self, layer=i) for i in range(num_layers)]
         self.step: StepBatch | None = None
         self._implicit = False  # the current step was started by a plain model call
-        self.copies = 0  # copy-on-write block copies
+
+    # the manager's and the storage's state, under the pool's names
+    keys = property(lambda self: self.storage.keys)
+    values = property(lambda self: self.storage.values)
+    seqs = property(lambda self: self.manager.seqs)
+    allocator = property(lambda self: self.manager.allocator)
+    prefix_caching = property(lambda self: self.manager.prefix_caching)
+    sliding_window = property(lambda self: self.manager.sliding_window)
+    copies = property(lambda self: self.manager.copies)
 
     @classmethod
     def for_model(
@@ -201,175 +181,74 @@ class PagedKVPool:
 
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers (keys and values)."""
-        per_slot = sum(
-            k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
-            for k, v in zip(self.keys, self.values)
-        )
-        return per_slot * self.block_size
+        return self.storage.bytes_per_block()
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (free + evictable prefix-cache blocks)."""
-        return self.allocator.num_free
+        return self.manager.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one sequence."""
-        return self.allocator.num_held
+        return self.manager.num_used_blocks
 
     def stored_slots(self) -> int:
         """Token slots of held blocks that hold a token (a shared block is counted once)."""
-        fill: dict[int, int] = {}
-        bs = self.block_size
-        for s in self.seqs.values():
-            for i, blk in enumerate(s.blocks):
-                if blk == FREED:
-                    continue
-                n = min(bs, max(0, s.computed - i * bs))
-                if n > fill.get(blk, 0):
-                    fill[blk] = n
-        return sum(fill.values())
+        return self.manager.stored_slots()
 
     def waste(self) -> float:
         """Allocated slots holding no token / allocated slots (0 when nothing is allocated)."""
-        held = self.num_used_blocks * self.block_size
-        return 0.0 if held == 0 else 1.0 - self.stored_slots() / held
+        return self.manager.waste()
 
     # ------------------------------------------------------------------ sequences
+    # (the manager's book-keeping; see :class:`~attnlab.cache.paged.manager.KVManager`)
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self.seqs
+        return seq_id in self.manager
 
     def _seq(self, seq_id: SeqId) -> _Sequence:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise ValueError(f"unknown sequence {seq_id!r}") from None
+        return self.manager._seq(seq_id)
 
     def add_sequence(self, seq_id: SeqId, tokens: Sequence[int]) -> int:
-        """Start a sequence whose known tokens are ``tokens`` (its prompt).
-
-        With prefix caching, the leading full blocks whose chained hash is registered are
-        taken from the cache; at least the last token is left to compute (its logits
-        are needed).
-
-        Returns:
-            The number of tokens already computed (prefix-cache hits), a multiple of
-            ``block_size``.
-
-        Raises:
-            ValueError: ``seq_id`` exists, or ``tokens`` is empty.
-        """
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} already exists")
-        if len(tokens) == 0:
-            raise ValueError("a sequence needs at least one token")
-        s = _Sequence(tokens=[int(t) for t in tokens])
-        self.seqs[seq_id] = s
-        if self.prefix_caching:
-            bs = self.block_size
-            for i in range((len(s.tokens) - 1) // bs):
-                h = block_hash(s.hashes[-1] if s.hashes else None, s.tokens[i * bs : (i + 1) * bs])
-                blk = self.allocator.lookup(h)
-                if blk is None:
-                    break
-                s.blocks.append(blk)
-                s.hashes.append(h)
-            s.computed = s.reserved = len(s.blocks) * bs
-        return s.computed
+        """See :meth:`KVManager.add_sequence`."""
+        return self.manager.add_sequence(seq_id, tokens)
 
     def append_tokens(self, seq_id: SeqId, tokens: Sequence[int]) -> None:
-        """Add known tokens (e.g. the one just sampled) to be computed by a later step."""
-        self._seq(seq_id).tokens.extend(int(t) for t in tokens)
+        """See :meth:`KVManager.append_tokens`."""
+        self.manager.append_tokens(seq_id, tokens)
 
     def num_tokens(self, seq_id: SeqId) -> int:
-        """Known tokens of a sequence."""
-        return len(self._seq(seq_id).tokens)
+        return self.manager.num_tokens(seq_id)
 
     def num_computed(self, seq_id: SeqId) -> int:
-        """Tokens of a sequence whose keys/values are stored."""
-        return self._seq(seq_id).computed
+        return self.manager.num_computed(seq_id)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
-        """A copy of the sequence's block table."""
-        return list(self._seq(seq_id).blocks)
+        return self.manager.block_table(seq_id)
 
     def blocks_needed(self, seq_id: SeqId, num_new: int) -> int:
-        """Blocks :meth:`reserve` would allocate for ``num_new`` more tokens (copy-on-write included)."""
-        s = self._seq(seq_id)
-        bs = self.block_size
-        need = -(-(s.reserved + num_new) // bs) - len(s.blocks)
-        if num_new > 0 and s.reserved % bs and self.allocator.refcount(s.blocks[-1]) > 1:
-            need += 1  # the shared, partly filled last block is copied first
-        return max(need, 0)
+        return self.manager.blocks_needed(seq_id, num_new)
 
     def reserve(self, seq_id: SeqId, num_new: int) -> None:
-        """Give the next ``num_new`` tokens of a sequence their slots (all or nothing).
+        """Give the next ``num_new`` tokens their slots, copying a shared block first.
 
         Raises:
             OutOfBlocks: not enough free blocks (nothing was allocated).
         """
-        s = self._seq(seq_id)
-        need = self.blocks_needed(seq_id, num_new)
-        if need > self.allocator.num_free:
-            raise OutOfBlocks(
-                f"sequence {seq_id!r} needs {need} block(s), {self.allocator.num_free} are free"
-            )
-        bs = self.block_size
-        if num_new > 0 and s.reserved % bs and self.allocator.refcount(s.blocks[-1]) > 1:
-            self._copy_on_write(s)
-        while len(s.blocks) * bs < s.reserved + num_new:
-            s.blocks.append(self.allocator.allocate())
-        s.reserved += num_new
-
-    def _copy_on_write(self, s: _Sequence) -> None:
-        old = s.blocks[-1]
-        new = self.allocator.allocate()
-        bs = self.block_size
-        src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
-        for k, v in zip(self.keys, self.values):
-            k[dst] = k[src]
-            v[dst] = v[src]
-        self.allocator.release(old)
-        s.blocks[-1] = new
-        self.copies += 1
+        self.storage.copy_blocks(self.manager.reserve(seq_id, num_new))
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
-        """Start ``child`` as a copy of ``parent`` that shares all its blocks (copy-on-write).
-
-        Raises:
-            ValueError: unknown parent, existing child, or a parent with reserved but
-                not yet computed slots (fork between steps).
-        """
-        p = self._seq(parent)
-        if child in self.seqs:
-            raise ValueError(f"sequence {child!r} already exists")
-        if p.reserved != p.computed:
-            raise ValueError(f"sequence {parent!r} is inside a step; fork it between steps")
-        for blk in p.blocks[p.first_live :]:
-            self.allocator.incref(blk)
-        self.seqs[child] = _Sequence(
-            blocks=list(p.blocks),
-            tokens=list(p.tokens),
-            computed=p.computed,
-            reserved=p.reserved,
-            hashes=list(p.hashes),
-            hashable=p.hashable,
-            first_live=p.first_live,
-        )
+        """See :meth:`KVManager.fork`."""
+        self.manager.fork(parent, child)
 
     def free(self, seq_id: SeqId) -> None:
-        """Drop a sequence: its blocks lose a holder (registered ones stay for prefix hits)."""
-        s = self.seqs.pop(seq_id, None)
-        if s is None:
-            raise ValueError(f"unknown sequence {seq_id!r}")
-        for blk in reversed(s.blocks[s.first_live :]):  # the prefix's become the most recent
-            self.allocator.release(blk)
+        """See :meth:`KVManager.free`."""
+        self.manager.free(seq_id)
 
     def reset(self) -> None:
         """Free every sequence and end any step (prefix-cache blocks are kept)."""
-        for seq_id in list(self.seqs):
-            self.free(seq_id)
+        self.manager.reset()
         self.step = None
         self._implicit = False
         for c in self.layers:
@@ -467,39 +346,9 @@ class PagedKVPool:
         if step is None:
             raise ValueError("no step is running")
         for sid, n in zip(step.seq_ids, step.num_new):
-            s = self.seqs.get(sid)
-            if s is None:  # freed during the step (never by the engine)
-                continue
-            s.computed += n
-            self._register_full_blocks(s)
-            self._free_behind_window(s)
+            self.manager.commit(sid, n)  # (a sequence freed during the step is skipped)
         self.step = None
         self._implicit = False
-
-    def _free_behind_window(self, s: _Sequence) -> None:
-        """Return the leading blocks no later query of ``s`` can see to the pool.
-
-        The next query sits at token ``s.computed`` and sees tokens from
-        ``s.computed - W + 1`` on; block ``i`` ends at token ``(i + 1) * bs - 1``.
-        """
-        w = self.sliding_window
-        if w is None:
-            return
-        bs = self.block_size
-        while s.first_live < len(s.blocks) and (s.first_live + 1) * bs + w - 1 <= s.computed:
-            self.allocator.release(s.blocks[s.first_live])
-            s.blocks[s.first_live] = FREED
-            s.first_live += 1
-
-    def _register_full_blocks(self, s: _Sequence) -> None:
-        if not (self.prefix_caching and s.hashable):
-            return
-        bs = self.block_size
-        while len(s.hashes) < s.computed // bs:
-            i = len(s.hashes)
-            h = block_hash(s.hashes[-1] if s.hashes else None, s.tokens[i * bs : (i + 1) * bs])
-            s.hashes.append(h)
-            self.allocator.register(s.blocks[i], h)
 
     # ------------------------------------------------------------------ plain model calls
 
