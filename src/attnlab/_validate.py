@@ -12,7 +12,22 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_int", "check_positive_int", "check_probability", "check_real"]
+__all__ = [
+    "SEED_MAX",
+    "check_int",
+    "check_positive_int",
+    "check_probability",
+    "check_real",
+    "check_seed",
+    "derive_seed",
+]
+
+#: The largest seed attnlab accepts: seeds are ints in ``[0, 2**63 - 1]`` (a non-negative
+#: int64, as the OpenAI API and numpy take them). ``torch.Generator.manual_seed`` accepts
+#: up to ``2**64 - 1``, so a seed plus a small offset (choice ``i`` of a request seeded
+#: ``seed + i``, a dropout stream ``seed + 1``) still fits; larger mixes go through
+#: :func:`derive_seed`.
+SEED_MAX = 2**63 - 1
 
 
 def _got(value: object) -> str:
@@ -115,3 +130,32 @@ def check_probability(name: str, value: object) -> float:
         ValueError: NaN, or outside ``[0, 1)``.
     """
     return check_real(name, value, ge=0.0, lt=1.0)
+
+
+def check_seed(name: str, value: object) -> int:
+    """Return ``value`` if it is a seed: an int (not a bool) in ``[0, SEED_MAX]``.
+
+    The one check of every seed a user gives attnlab (training and distillation configs,
+    ``--seed`` of every command, a request's ``seed``), so that a seed out of range is
+    refused where it enters instead of failing later in torch as "Overflow when unpacking
+    long long".
+
+    Raises:
+        ValueError: not an int, a bool, negative, or above :data:`SEED_MAX`; the message
+            names ``name``, the value and the accepted range.
+    """
+    return check_int(name, value, min_value=0, max_value=SEED_MAX)
+
+
+def derive_seed(seed: int, *salts: int) -> int:
+    """A seed for a sub-stream of ``seed`` (an epoch, a batch, a choice), in torch's range.
+
+    Mixes ``seed`` with each salt as ``seed * 1_000_003 + salt`` and reduces the result
+    modulo ``2**63``, so any seed that :func:`check_seed` accepts, and any salts, give a
+    value ``torch.Generator.manual_seed`` takes. Deterministic: the same arguments give the
+    same seed on every machine.
+    """
+    out = seed
+    for salt in salts:
+        out = (out * 1_000_003 + salt) % (SEED_MAX + 1)
+    return out % (SEED_MAX + 1)

@@ -194,6 +194,8 @@ def _json_cases(tmp: Path) -> dict[str, list[list[str]]]:
 # Subcommands that print no report: they are exempt from the --json test, with the reason.
 NO_JSON = {
     "serve": "runs a server in the foreground; its output is the HTTP API",
+    "finetune": "needs a pretrained model folder and chat data; tests/cli/test_cli_finetune.py "
+    "parses its --json report",
     "train": "writes its metrics as JSON lines (metrics.jsonl) under out_dir, not to stdout",
     "experiment": "trains models for minutes; its strict results.json is checked in tests/experiments",
     "embed": "its output is JSON lines (one object per text) or .npy, not one report; "

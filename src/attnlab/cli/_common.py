@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from attnlab._validate import check_int, check_real
+from attnlab._files import writable_dir as writable_dir
+from attnlab._files import writable_file as writable_file
+from attnlab._validate import check_int, check_real, check_seed
 
 T = TypeVar("T")
 
@@ -53,6 +55,9 @@ def int_at_least(low: int) -> Callable[[str], int]:
     """An argument type for ints ``>= low``, checked by :func:`attnlab._validate.check_int`."""
     return _number_type(f"an int >= {low}", int, lambda v: check_int("value", v, min_value=low))
 
+
+seed_int = _number_type("a seed", int, lambda v: check_seed("value", v))
+"""An argument type for ``--seed``: an int in ``[0, 2**63 - 1]`` (:func:`check_seed`)."""
 
 port_number = _number_type(
     "a port number", int, lambda v: check_int("value", v, min_value=1, max_value=65535)
@@ -121,48 +126,8 @@ def print_json(obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------- output paths
-
-
-def writable_dir(arg: str, path: str | Path) -> Path:
-    """Create the output folder ``path`` (given as argument ``arg``) or fail naming both.
-
-    Raises:
-        OSError: the folder cannot be created or written; the message names ``arg``.
-    """
-    folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".attnlab-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise OSError(
-            e.errno, f"{arg} {str(path)!r} is not a writable folder: {e.strerror}"
-        ) from None
-    return folder
-
-
-def writable_file(arg: str, path: str | Path) -> Path:
-    """Check that the output file ``path`` (argument ``arg``) can be written, before work starts.
-
-    Raises:
-        OSError: its folder is missing or not writable, or it names a folder.
-    """
-    file = Path(path)
-    parent = file.parent
-    if file.is_dir():
-        raise OSError(21, f"{arg} {str(path)!r} is a folder; give a file name")
-    if not parent.is_dir():
-        raise OSError(2, f"{arg} {str(path)!r}: the folder {str(parent)!r} does not exist")
-    existed = file.exists()
-    try:
-        with file.open("ab"):
-            pass
-    except OSError as e:
-        raise OSError(e.errno, f"{arg} {str(path)!r} cannot be written: {e.strerror}") from None
-    if not existed:
-        file.unlink()
-    return file
+# writable_dir / writable_file live in attnlab._files (the library checks its outputs
+# before the work too) and are re-exported here for the subcommands.
 
 
 class Progress:
@@ -206,10 +171,14 @@ class Progress:
 
 
 def load_model(path: str | None) -> tuple[Any, Any, str]:
-    """``(attnlab model, tokenizer, name)`` from a local Hugging Face folder (default all-MiniLM-L6-v2)."""
+    """``(attnlab model, tokenizer, name)`` from a local Hugging Face folder or a ``.gguf``
+    file (default all-MiniLM-L6-v2)."""
     import attnlab
     from attnlab.interop.hf import require_transformers
 
+    if path is not None and Path(path).suffix.lower() == ".gguf":
+        model = attnlab.from_gguf(path, progress=True)
+        return model, model.tokenizer, Path(path).stem
     if path is None:
         from attnlab.interop.pretrained import minilm_path
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from attnlab._validate import check_int
-from attnlab.cli._common import nonnegative_float, positive_float, positive_int
+from attnlab.cli._common import nonnegative_float, positive_float, positive_int, seed_int
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=positive_int, help="optimiser steps")
     p.add_argument("--batch-size", type=positive_int, help="sentences per step")
     p.add_argument("--eval-sentences", type=positive_int, help="held-out sentences")
-    p.add_argument("--seed", type=int, help="seed")
+    p.add_argument("--seed", type=seed_int, help="seeds the data order and the initial weights")
     p.add_argument("--lr", type=positive_float, help="AdamW learning rate, warm-up then cosine")
     for name, what in (
         ("embedding", "MSE between normalised sentence embeddings"),

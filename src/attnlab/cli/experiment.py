@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from attnlab.cli._common import positive_int
+from attnlab.cli._common import positive_int, seed_int
 from attnlab.experiments import EXPERIMENTS
 
 
@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("name", choices=sorted(EXPERIMENTS), metavar="NAME", help="the experiment")
     p.add_argument("--quick", action="store_true", help="the short run (~2 minutes)")
     p.add_argument("--out", help="output folder (default runs/NAME)")
-    p.add_argument("--seed", type=int, default=0, help="seed (0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="first seed of data and weights (0)")
     p.add_argument(
         "--threads",
         type=positive_int,

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.cli._common import (
-    any_int,
     nonnegative_int,
     positive_float,
     positive_int,
     print_json,
     probability_float,
+    seed_int,
     token_ids,
 )
 
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Stream generated tokens to the terminal.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="a local transformers model folder")
+    src.add_argument("--model", type=Path, help="a local transformers model folder or a .gguf file")
     src.add_argument(
         "--random", choices=RANDOM_ARCHS, help="a random tiny model of this architecture"
     )
@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=probability_float, default=None)
     p.add_argument("--eos", type=nonnegative_int, default=None, help="end-of-sequence token id")
-    p.add_argument("--seed", type=any_int, default=0, help="seed of the random model and sampler")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random model and sampler")
     p.add_argument(
         "--json",
         action="store_true",
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None:
         model = attnlab.from_hf(args.model)
-        tokenizer = _tokenizer(args.model)
+        tokenizer = model.tokenizer if args.model.is_file() else _tokenizer(args.model)
     else:
         model = random_model(args.random, args.seed)
         tokenizer = _Bytes()

@@ -55,8 +55,10 @@ def run_experiment(
         progress: progress bars on stderr.
         smoke: a few steps only, to check the pipeline (results mean nothing).
     """
+    from attnlab._validate import check_seed
     from attnlab.experiments._common import write_result
 
+    check_seed("seed", seed)
     m = _module(name)
     folder = Path(out) if out is not None else Path("runs") / name
     result = m.run(  # type: ignore[attr-defined]

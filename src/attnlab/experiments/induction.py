@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._validate import derive_seed
 from attnlab.experiments._common import (
     CONSTANT_LR,
     ExperimentResult,
@@ -73,7 +74,7 @@ class RepeatedTokens:
 
     def draw(self, count: int, salt: int) -> tuple[Tensor, Tensor]:
         """``(ids [count, 2n], period [count])``: the repeat starts at ``2n - period``."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, salt))
         n = self.half
         period = torch.randint(max(1, n // 2), n + 1, (count,), generator=g)  # [B]
         ids = torch.randint(0, self.vocab_size, (count, 2 * n), generator=g)

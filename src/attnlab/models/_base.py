@@ -7,6 +7,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Self
 
+from attnlab._files import atomic_write_text
 from attnlab.functional._checks import check_int
 
 
@@ -38,7 +39,7 @@ class ConfigBase:
 
     def save(self, path: str | Path) -> None:
         """Write the config as JSON (read it back with ``from_dict(json.load(...))``)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def _check_token_ids(self, *names: str) -> None:
         """Each named token id, when set, must be in ``[0, vocab_size)``."""

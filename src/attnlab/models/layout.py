@@ -14,6 +14,7 @@ from typing import Any
 
 from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.routing import ROUTERS
+from attnlab.models.linear_layout import LINEAR_MIXERS, LinearLayerConfig
 from attnlab.modules.activations import activation_names
 
 __all__ = ["FFN_KINDS", "LayerSpec", "MambaLayerConfig", "MoEConfig"]
@@ -152,14 +153,39 @@ class LayerSpec:
             ``moe``) or ``"none"`` (a mixer-only layer, as in Mamba).
         moe: the mixture of experts when ``ffn == "moe"``.
         mamba: the Mamba mixer's settings when ``mixer == "mamba"`` (None: the defaults).
+        linear: the settings of a linear-attention or gated-recurrence mixer
+            (``"delta_net"``, ``"gated_delta_net"``, ``"gla"``, ``"rglru"``, ``"short_conv"``,
+            ``"rwkv7"``; None: the defaults).
+        sliding_window: this attention layer's window ``W`` (each token sees ``W`` tokens,
+            itself included), or None for the config's ``sliding_window``: local layers
+            between global ones (Gemma 2 and 3, Qwen2's ``layer_types``).
+        rope: False for a layer without RoPE (a NoPE layer: SmolLM3's every fourth).
+        rope_theta: this layer's own RoPE base, unscaled (Gemma 3's local layers), or None
+            for the config's base and scaling.
     """
 
     mixer: str = "attention"
     ffn: str = "dense"
     moe: MoEConfig | None = field(default=None)
     mamba: MambaLayerConfig | None = field(default=None)
+    linear: LinearLayerConfig | None = field(default=None)
+    sliding_window: int | None = None
+    rope: bool = True
+    rope_theta: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.linear, dict):
+            object.__setattr__(self, "linear", LinearLayerConfig(**self.linear))
+        if self.linear is not None:
+            if not isinstance(self.linear, LinearLayerConfig):
+                raise TypeError(
+                    f"linear must be a LinearLayerConfig or None, got {type(self.linear).__name__}"
+                )
+            if self.mixer not in LINEAR_MIXERS:
+                raise ValueError(
+                    f"linear=LinearLayerConfig(...) configures a mixer in {list(LINEAR_MIXERS)}, "
+                    f"got mixer={self.mixer!r}"
+                )
         if isinstance(self.moe, dict):
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if isinstance(self.mamba, dict):
@@ -185,6 +211,19 @@ class LayerSpec:
             )
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+        if self.sliding_window is not None:
+            check_positive_int("sliding_window", self.sliding_window)
+        if not isinstance(self.rope, bool):
+            raise TypeError(f"rope must be a bool, got {self.rope!r}")
+        if self.rope_theta is not None:
+            check_real("rope_theta", self.rope_theta, ge=1.0)
+        if self.mixer != "attention" and (
+            self.sliding_window is not None or not self.rope or self.rope_theta is not None
+        ):
+            raise ValueError(
+                f"sliding_window, rope and rope_theta configure attention layers, got "
+                f"mixer={self.mixer!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,10 +29,18 @@ class IncrementalDetokenizer:
             (a leading space of a SentencePiece token is kept only after a word); a
             prompt that ends inside a character gives none (the completion's text is
             then its own tokens' text).
+        skip_special_tokens: leave special tokens out of the text.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids or [])[-4:]
         if context and self._decode(context).endswith(_REPLACEMENT):
             context = []
@@ -41,7 +49,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def add(self, token_id: int) -> str:
         """Add one token; return the new text that is complete (may be empty)."""

@@ -36,10 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.cache.paged import OutOfBlocks, PagedKVPool
-from attnlab.functional.sampling import next_token
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.params import ParamError, SamplingParams
+from attnlab.serving.step_sampling import sample_step
 
 __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput"]
 
@@ -68,7 +68,9 @@ class CompletionDelta:
         text: new text (complete UTF-8 characters only).
         token_ids: new token ids.
         logprobs: one entry per new token when requested.
-        finish_reason: ``"stop"`` (EOS or a stop string), ``"length"``, ``"abort"``, or None.
+        finish_reason: ``"stop"`` (EOS, a stop string or token, a complete grammar),
+            ``"length"``, ``"abort"``, ``"error"``, or None.
+        error: why the request failed (with ``finish_reason="error"``; offline results).
     """
 
     index: int
@@ -76,6 +78,7 @@ class CompletionDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ class RequestOutput:
         finished: every choice is done.
         prompt_tokens: prompt length.
         cached_tokens: prompt tokens taken from the prefix cache.
+        error: why the request failed inside a step (it alone; the engine goes on).
     """
 
     request_id: str
@@ -95,6 +99,7 @@ class RequestOutput:
     finished: bool
     prompt_tokens: int
     cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -108,10 +113,11 @@ class _Request:
     forked: bool = False
     cached_tokens: int = 0
     first_token_time: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return (
+        return self.error is not None or (
             bool(self.seqs)
             and all(s.finish_reason is not None for s in self.seqs)
             and (self.forked or self.params.n == 1)
@@ -131,6 +137,7 @@ class _Seq:
     finish_reason: str | None = None
     in_pool: bool = False
     pending: CompletionDelta | None = None
+    matcher: Any = None  # the grammar's parser state (a GrammarMatcher) or None
 
     @property
     def tokens(self) -> list[int]:
@@ -219,6 +226,20 @@ class Engine:
             raise ParamError("prompt", "the prompt is empty")
         if any(not 0 <= int(t) < vocab for t in prompt_ids):
             raise ParamError("prompt", f"token ids must lie in [0, {vocab})")
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            if any(t >= vocab for t in ids):
+                raise ParamError(
+                    name, f"{name}: token ids must lie in [0, {vocab}), got {max(ids)}"
+                )
+        grammar = params.grammar
+        if grammar is not None and getattr(grammar, "vocab_size", vocab) != vocab:
+            raise ParamError(
+                "response_format",
+                f"the grammar was compiled for {grammar.vocab_size} tokens, the model has {vocab}",
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise ParamError(
                 "prompt",
@@ -268,18 +289,20 @@ class Engine:
 
     def _new_seq(self, req: _Request, index: int) -> _Seq:
         gen = None
-        if not req.params.greedy:
-            seed = req.params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_source))
-            gen = torch.Generator().manual_seed(seed + index)
+        p = req.params
+        if not p.greedy and p.seed is not None:  # seed <= 2**63 - 1: seed + index fits torch
+            gen = torch.Generator().manual_seed(p.seed + index)
         seq = _Seq(
             next(self._seq_ids),
             req,
             index,
             gen,
-            IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
+            IncrementalDetokenizer(
+                self.tokenizer, req.prompt_ids, skip_special_tokens=p.skip_special_tokens
+            ),
         )
+        if p.grammar is not None:
+            seq.matcher = p.grammar.matcher()
         req.seqs.append(seq)
         return seq
 
@@ -294,6 +317,17 @@ class Engine:
             self._drop(seq)
         self.metrics.requests_aborted += 1
         return True
+
+    def _fail(self, req: _Request, error: str) -> None:
+        """Fail one request inside a step: free its blocks, keep the error for its client."""
+        if req.error is not None:
+            return
+        log.warning("request %s failed: %s", req.request_id, error)
+        req.error = error
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+            self._drop(seq)
 
     def _drop(self, seq: _Seq) -> None:
         if seq.in_pool:
@@ -404,13 +438,17 @@ class Engine:
                     past_key_values=self.cache,
                     logits_to_keep=1,
                 ).logits[:, -1]  # [b, V]
-            finally:
+            except Exception as e:  # this forward's requests fail; the other groups go on
                 self.pool.end_step()
+                for r in group:
+                    self._fail(rows[r][0].request, f"the forward failed: {type(e).__name__}: {e}")
+                continue
+            self.pool.end_step()
             logits[group] = out.float()
         done = [
             (r, seq)
             for r, (seq, _n) in enumerate(rows)
-            if self.pool.num_computed(seq.seq_id) == len(seq.tokens)
+            if seq.in_pool and self.pool.num_computed(seq.seq_id) == len(seq.tokens)
         ]
         if done:
             self._sample(logits, done)
@@ -451,7 +489,7 @@ class Engine:
         return groups
 
     def _sample(self, logits: Tensor, done: list[tuple[int, _Seq]]) -> None:
-        greedy = logits.argmax(dim=-1).tolist()
+        pairs: list[tuple[int, _Seq]] = []
         for r, seq in done:
             req = seq.request
             p = req.params
@@ -462,34 +500,26 @@ class Engine:
                     self.pool.fork(seq.seq_id, child.seq_id)
                     child.in_pool = True
                     self.running.append(child)
-                group = [seq, *children]
+                pairs += [(r, s) for s in (seq, *children)]
             else:
-                group = [seq]
-            for s in group:
-                if p.greedy:
-                    tok = greedy[r]
-                else:
-                    tok = int(
-                        next_token(
-                            logits[r : r + 1],
-                            do_sample=True,
-                            temperature=p.temperature,
-                            top_k=p.top_k,
-                            top_p=p.top_p,
-                            generator=s.generator,
-                        )
-                    )
-                lp = self._logprob(logits[r], tok, p.logprobs) if p.logprobs is not None else None
-                self._append(s, tok, lp)
-
-    @staticmethod
-    def _logprob(row: Tensor, tok: int, top: int) -> TokenLogprob:
-        logp = torch.log_softmax(row.float(), dim=-1)
-        pairs: list[tuple[int, float]] = []
-        if top:
-            vals, idx = logp.topk(top)
-            pairs = list(zip(idx.tolist(), vals.tolist()))
-        return TokenLogprob(tok, float(logp[tok]), pairs)
+                pairs.append((r, seq))
+        seqs = [s for _, s in pairs]
+        results = sample_step(
+            logits[[r for r, _ in pairs]], seqs, eos_ids=self.eos_ids, generator=self._seed_source
+        )
+        for s, res in zip(seqs, results, strict=True):
+            if s.request.error is not None:
+                continue
+            if res.error is not None:
+                self._fail(s.request, res.error)
+                continue
+            lp = None
+            if res.logprobs is not None:
+                lp = TokenLogprob(res.token, res.logprobs[0], res.logprobs[1])
+            try:
+                self._append(s, res.token, lp)
+            except Exception as e:  # a grammar or detokeniser fault fails this request alone
+                self._fail(s.request, f"{type(e).__name__}: {e}")
 
     def _append(self, seq: _Seq, tok: int, lp: TokenLogprob | None) -> None:
         req, p = seq.request, seq.request.params
@@ -505,15 +535,24 @@ class Engine:
         if lp is not None:
             delta.logprobs.append(lp)
         reason = None
+        if seq.matcher is not None:
+            seq.matcher.advance(tok)
         if tok in self.eos_ids and not p.ignore_eos:
             reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+            if p.include_stop_str_in_output:
+                seq.text += seq.detok.add(tok) + seq.detok.flush()
         else:
             seq.text += seq.detok.add(tok)
-        if reason is None and p.stop:
-            cut = self._find_stop(seq.text, p.stop)
+        if reason is None and p.stop and len(seq.output_ids) >= p.min_tokens:
+            cut = self._find_stop(seq.text, p.stop, keep=p.include_stop_str_in_output)
             if cut is not None:
                 seq.text = seq.text[:cut]
                 reason = "stop"
+        if reason is None and seq.matcher is not None and seq.matcher.done:
+            seq.text += seq.detok.flush()
+            reason = "stop"
         if reason is None and (
             len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len
         ):
@@ -526,9 +565,10 @@ class Engine:
             self.pool.append_tokens(seq.seq_id, [tok])
 
     @staticmethod
-    def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        return min(hits) if hits else None
+    def _find_stop(text: str, stops: tuple[str, ...], *, keep: bool = False) -> int | None:
+        """Where the text ends at its first stop string (after it when ``keep``), or None."""
+        hits = [(i, i + len(s) if keep else i) for s in stops if (i := text.find(s)) >= 0]
+        return min(hits)[1] if hits else None
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         seq.finish_reason = reason
@@ -557,7 +597,9 @@ class Engine:
             finished = req.finished
             if deltas or finished:
                 outs.append(
-                    RequestOutput(rid, deltas, finished, len(req.prompt_ids), req.cached_tokens)
+                    RequestOutput(
+                        rid, deltas, finished, len(req.prompt_ids), req.cached_tokens, req.error
+                    )
                 )
             if finished:
                 del self.requests[rid]
@@ -575,7 +617,12 @@ class Engine:
 
         Returns:
             For each prompt, its ``n`` choices, each as one :class:`CompletionDelta` with
-            the whole text, token ids, logprobs and finish reason.
+            the whole text, token ids, logprobs and finish reason. A request that failed
+            inside a step has ``finish_reason="error"`` and the reason in ``error``; the
+            others run to completion as if it had not been there.
+
+        Raises:
+            ParamError: a request does not fit (none is queued then).
         """
         prompts = list(prompts)
         plist = (
@@ -584,7 +631,13 @@ class Engine:
             else [params or SamplingParams()] * len(prompts)
         )
         base = f"offline-{next(self._order)}-"
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        for prompt, p in zip(prompts, plist, strict=True):  # all checked before any is queued
+            self.validate(
+                self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt), p
+            )
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             self.add_request(f"{base}{i}", prompt, p)
         results: dict[str, dict[int, CompletionDelta]] = {
             f"{base}{i}": {} for i in range(len(prompts))
@@ -600,6 +653,7 @@ class Engine:
                     have.token_ids += d.token_ids
                     have.logprobs += d.logprobs
                     have.finish_reason = d.finish_reason or have.finish_reason
+                    have.error = out.error
         return [
             [acc[i] for i in sorted(acc)]
             for acc in (results[f"{base}{j}"] for j in range(len(prompts)))

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self
 
+from attnlab._files import atomic_write_text
+from attnlab._validate import check_seed
 from attnlab.functional._checks import check_int, check_positive_int, check_probability, check_real
 
 __all__ = [
@@ -250,8 +252,9 @@ class TrainConfig:
         _choice("model.kind", kind, MODEL_KINDS)
         for name in ("steps", "batch_size", "eval_batches", "log_every"):
             check_positive_int(name, getattr(self, name))
-        for name in ("micro_batch_size", "eval_every", "save_every", "seed"):
+        for name in ("micro_batch_size", "eval_every", "save_every"):
             _non_negative_int(name, getattr(self, name))
+        check_seed("seed", self.seed)
         if self.micro_batch_size and self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
@@ -300,7 +303,7 @@ class TrainConfig:
         return cls(**kw)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def _parse_value(text: str) -> Any:

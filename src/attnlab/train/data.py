@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab._validate import derive_seed
 from attnlab.functional.losses import IGNORE_INDEX
 from attnlab.train.config import DataConfig
 from attnlab.train.synthetic import make_task, task_vocab_size
@@ -47,6 +48,7 @@ class Batch:
             them inside the loss).
         doc_ids: ``[B, L]`` document of each token (packed text with document masks).
         position_ids: ``[B, L]`` positions restarting at each document.
+        attention_mask: ``[B, L]`` 1 for tokens, 0 for padding (padded batches).
         num_targets: targets the loss counts (after the decoder's shift).
         num_bytes: UTF-8 bytes those targets stand for (text only; bits per byte).
     """
@@ -55,6 +57,7 @@ class Batch:
     labels: Tensor
     doc_ids: Tensor | None = None
     position_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
     num_targets: int = 0
     num_bytes: int = 0
 
@@ -197,7 +200,7 @@ class TextData:
 
     def _perm(self, epoch: int) -> Tensor:
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
             self._perms = {epoch: torch.randperm(len(self.train_ids), generator=g)}
         return self._perms[epoch]
 
@@ -242,7 +245,7 @@ class TextData:
     def _masked(self, ids: Tensor, salt: int) -> Batch:
         """BERT's masking (Devlin et al., 2019): of the chosen tokens, 80 % become
         ``[MASK]``, 10 % a random token, 10 % stay."""
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + salt) % (2**63))
+        g = torch.Generator().manual_seed(derive_seed(self.seed, salt))
         chosen = torch.rand(ids.shape, generator=g) < self.config.mlm_probability
         action = torch.rand(ids.shape, generator=g)
         random_ids = torch.randint(0, self.vocab_size - 1, ids.shape, generator=g)
@@ -272,7 +275,7 @@ class SyntheticData:
         self.max_length = prompt.shape[1] + answer.shape[1]
 
     def _draw(self, count: int, salt: int) -> tuple[Tensor, Tensor]:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + salt) % (2**63))
+        g = torch.Generator().manual_seed(derive_seed(self.seed, salt))
         c = self.config
         return make_task(
             c.task, count, length=c.task_length, num_symbols=c.num_symbols, generator=g

@@ -43,12 +43,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab._files import atomic_folder, writable_dir
+from attnlab._validate import check_seed
 from attnlab.functional._checks import check_int, check_positive_int, check_real
 from attnlab.functional.distill import (
     attention_kl,
     hidden_state_loss,
     similarity_relation_loss,
 )
+from attnlab.train.guard import check_step_finite
 from attnlab.train.trainer import lr_multiplier
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,7 @@ class DistillConfig:
         for i in self.layers:
             check_int("DistillConfig.layers[i]", i, min_value=0)
         check_real("DistillConfig.lr", self.lr, gt=0.0)
+        check_seed("DistillConfig.seed", self.seed)
         weights = ("embedding_weight", "similarity_weight", "attention_weight", "hidden_weight")
         for name in weights:
             check_real(f"DistillConfig.{name}", getattr(self, name), ge=0.0)
@@ -374,6 +378,8 @@ def distill_sentence_encoder(
     from attnlab.interop.hf import require_transformers
 
     cfg = config or DistillConfig()
+    if out is not None:  # before the work: an unwritable out fails at once, not after training
+        _check_out(Path(out))
     if teacher_dir is None:
         from attnlab.interop.pretrained import minilm_path
 
@@ -473,7 +479,15 @@ def distill_sentence_encoder(
             )
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0))
+        check_step_finite(
+            what="distillation",
+            step=sched.last_epoch + 1,
+            loss=float(loss.detach()),
+            grad_norm=norm,
+            model=student,
+            rerun=functools.partial(_embed, student, batch),
+        )
         opt.step()
         sched.step()
         loss_val = float(loss.detach())
@@ -516,11 +530,30 @@ def distill_sentence_encoder(
     )
 
 
+def _check_out(out: Path) -> None:
+    """``out`` can receive the student: writable, and not a folder of other files."""
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ValueError(
+            f"out {str(out)!r} holds other files and no model (no config.json); the student "
+            "replaces the whole folder: give a new or empty one"
+        )
+    writable_dir("out", out)
+
+
 def save_student(student: torch.nn.Module, teacher_dir: Path, out: Path) -> Path:
-    """Write ``student`` as a sentence-transformers folder beside the teacher's files."""
+    """Write ``student`` as a sentence-transformers folder beside the teacher's files.
+
+    The folder appears whole or not at all, replacing an existing one
+    (:func:`attnlab._files.atomic_folder`).
+    """
+    with atomic_folder(out) as tmp:
+        _write_student(student, teacher_dir, tmp)
+    return out
+
+
+def _write_student(student: torch.nn.Module, teacher_dir: Path, out: Path) -> None:
     import attnlab
 
-    out.mkdir(parents=True, exist_ok=True)
     hf = attnlab.to_hf(student)
     hf.save_pretrained(out, safe_serialization=True)
     for name in _ST_FILES:
@@ -528,4 +561,3 @@ def save_student(student: torch.nn.Module, teacher_dir: Path, out: Path) -> Path
         if src.is_file():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, out / name)
-    return out

@@ -14,16 +14,27 @@ from typing import Any
 
 from torch import nn
 
+from attnlab._files import atomic_folder
+
 __all__ = ["export_model"]
 
 log = logging.getLogger(__name__)
 
 
 def export_model(model: nn.Module, folder: Path, *, tokenizer: Any = None) -> Path:
-    """Write ``model`` (and ``tokenizer``, if any) to ``folder``; return the folder."""
+    """Write ``model`` (and ``tokenizer``, if any) to ``folder``; return the folder.
+
+    The folder appears whole or not at all (built beside it, then renamed: see
+    :func:`attnlab._files.atomic_folder`); an existing one is replaced.
+    """
+    with atomic_folder(folder) as tmp:
+        _write(model, tmp, tokenizer)
+    return folder
+
+
+def _write(model: nn.Module, folder: Path, tokenizer: Any) -> None:
     from attnlab.interop.hf import to_hf
 
-    folder.mkdir(parents=True, exist_ok=True)
     was_training = model.training
     try:
         hf = to_hf(model)
@@ -53,4 +64,3 @@ def export_model(model: nn.Module, folder: Path, *, tokenizer: Any = None) -> Pa
         model.train(was_training)
     if tokenizer is not None:
         tokenizer.save(folder)
-    return folder

@@ -29,10 +29,17 @@ from torch import Tensor, nn
 
 from attnlab.functional.masks import document
 from attnlab.train.build import build_model
-from attnlab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from attnlab.train.checkpoint import (
+    check_same_model,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
 from attnlab.train.config import TrainConfig
 from attnlab.train.data import Batch, SyntheticData, TextData, bits_per_byte, build_data
 from attnlab.train.distributed import DistContext, setup_distributed, wrap_model
+from attnlab.train.guard import check_step_finite, check_weights_finite
 
 __all__ = ["TrainResult", "Trainer", "lr_multiplier"]
 
@@ -64,6 +71,8 @@ def model_inputs(batch: Batch, kind: str) -> dict[str, Any]:
     if kind == "decoder" and batch.doc_ids is not None:
         kw["attention_mask"] = document(batch.doc_ids)
         kw["position_ids"] = batch.position_ids
+    elif batch.attention_mask is not None:
+        kw["attention_mask"] = batch.attention_mask
     return kw
 
 
@@ -130,6 +139,7 @@ class Trainer:
         self.tokens = 0
         self.out_dir = Path(config.out_dir)
         self.history: list[dict[str, Any]] = []
+        self.last_checkpoint: Path | None = None  # the last one written or loaded
         self._forward = self._make_forward()
         torch.manual_seed(config.seed + 1)  # the dropout stream
 
@@ -179,6 +189,7 @@ class Trainer:
         self.wrapped.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
         n_micro = self.local_batch // self.micro
+        micro: list[Batch] = []  # [the first micro batch, the first with a non-finite loss]
         for j in range(n_micro):
             mb = batch.rows(lo + j * self.micro, lo + (j + 1) * self.micro, None, self.kind)
             last = j == n_micro - 1
@@ -195,9 +206,20 @@ class Trainer:
                 weight = mb.num_targets / total * ctx.world_size  # DDP/FSDP average over ranks
                 (loss * weight).backward()
             loss_sum += loss.detach().double().cpu() * mb.num_targets
+            if j == 0 or (len(micro) == 1 and not bool(torch.isfinite(loss.detach()))):
+                micro.append(mb)
         if ctx.enabled:
             dist.all_reduce(loss_sum)
         grad_norm = self._clip()
+        check_step_finite(
+            what="training",
+            step=self.step + 1,
+            loss=float(loss_sum) / total,
+            grad_norm=grad_norm,
+            model=self.model,
+            rerun=lambda: self._rerun(micro[-1]),
+            last_checkpoint=None if self.last_checkpoint is None else str(self.last_checkpoint),
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -217,6 +239,11 @@ class Trainer:
             "tokens_per_s": n_tokens / dt,
             "step_time_s": dt,
         }
+
+    def _rerun(self, mb: Batch) -> None:
+        """The forward of micro batch ``mb`` again, on the unwrapped model (for the guard)."""
+        with self._autocast():
+            self.model(**self._to_device(model_inputs(mb, self.kind)))
 
     def _to_device(self, kw: dict[str, Any]) -> dict[str, Any]:
         dev = self.ctx.device
@@ -277,6 +304,7 @@ class Trainer:
             if path is None:
                 raise ValueError(f"no checkpoint to resume under {self.out_dir / 'checkpoints'}")
             self.load(path)
+        resumed_at = self.step if resume is not None else None
         if ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             c.save(self.out_dir / "train_config.json")
@@ -302,7 +330,8 @@ class Trainer:
         evaluation = self.evaluate()
         if evaluation:
             self._log({"step": self.step, **evaluation})
-        self.save()
+        if self.step != resumed_at:  # a finished run resumed: its checkpoint stays as it is
+            self.save()
         if c.export and self.step == c.steps:
             self.export()
         if ctx.is_main:
@@ -349,14 +378,24 @@ class Trainer:
     def save(self, folder: Path | None = None) -> Path:
         """Write a checkpoint (default ``out_dir/checkpoints/step-N``)."""
         folder = folder or self.out_dir / "checkpoints" / f"step-{self.step}"
+        check_weights_finite(
+            self.model,
+            what="training",
+            step=self.step,
+            last_checkpoint=None if self.last_checkpoint is None else str(self.last_checkpoint),
+        )
         save_checkpoint(
             folder, model=self.model, optimizer=self.optimizer, state=self.state(), ctx=self.ctx
         )
+        self.last_checkpoint = folder
         return folder
 
     def load(self, folder: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, RNG, data position."""
-        state = load_checkpoint(Path(folder), model=self.model, optimizer=self.optimizer)
+        folder = Path(folder)
+        check_same_model(folder, read_trainer_state(folder), self.config.model)
+        state = load_checkpoint(folder, model=self.model, optimizer=self.optimizer)
+        self.last_checkpoint = folder
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.samples, self.tokens = state["step"], state["samples"], state["tokens"]
 

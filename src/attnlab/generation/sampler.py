@@ -1,0 +1,281 @@
+"""The sampler of a decoding step: per-row settings applied to a batch of logits at once.
+
+Each row of a step's ``[B, V]`` logits belongs to a request with its own settings
+(temperature, top-k/top-p/min-p, penalties, ``logit_bias``, tokens banned this step,
+a grammar's token mask, a seeded generator). :func:`sample` turns them into per-row
+tensors and applies each operation of :mod:`attnlab.functional.sampling` once to the
+whole batch, skipping operations no row uses, in vLLM's order:
+
+1. the log-probabilities returned to a client, from the model's logits as they are
+   (vLLM's default, ``raw_logprobs``);
+2. grammar masks (constrained rows only), ``logit_bias``, banned tokens (EOS before
+   ``min_tokens``);
+3. repetition, frequency and presence penalties;
+4. greedy rows take the argmax here; the others are divided by their temperature,
+   filtered by min-p, top-k and top-p, and draw one token by the exponential race
+   (a seeded row draws its noise from its own generator, so its samples do not depend
+   on its neighbours in the batch).
+
+A row whose logits cannot give a token (NaN, ``+inf``, or every token masked) fails
+alone: it is reported in :attr:`SampleOutput.failed` and the other rows are sampled.
+
+Shape notation: ``B`` rows, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from attnlab.functional.sampling import (
+    apply_penalties,
+    min_p_filter,
+    sample_with_noise,
+    top_k_filter,
+    top_p_filter,
+    unpack_bitmask,
+)
+
+__all__ = ["GREEDY_BELOW", "RowSampling", "SampleOutput", "SamplingSettings", "sample"]
+
+#: A temperature below this samples greedily: dividing logits by ``1e-5`` already puts
+#: every token but the argmax (and its exact ties) below ``exp(-1e4)`` in probability,
+#: and a smaller divisor would overflow float32 (``temperature=1e-300`` gives ``inf``).
+#: vLLM uses the same threshold (``_SAMPLING_EPS``).
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What a request asks of the sampler (validated by the caller).
+
+    Attributes:
+        temperature: below :data:`GREEDY_BELOW` the row is greedy.
+        top_k: keep the ``k`` most likely tokens; 0 is off.
+        top_p: nucleus mass in ``(0, 1]``; 1 is off.
+        min_p: keep tokens at least ``min_p`` times as likely as the top one; 0 is off.
+        presence_penalty, frequency_penalty: over the generated tokens; 0 is off.
+        repetition_penalty: over prompt and generated tokens; 1 is off.
+        logit_bias: token id -> value added to its logit.
+        logprobs: how many top log-probabilities to return per token, or None.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+@dataclass
+class RowSampling:
+    """One row of a step: its settings and what they need from the sequence.
+
+    Attributes:
+        settings: the request's settings.
+        prompt_ids: the prompt (for the repetition penalty).
+        output_ids: the tokens generated so far (penalties).
+        banned: tokens that may not be chosen at this step.
+        generator: the row's own random generator (a seeded request), or None.
+        bitmask_row: the row of the step's grammar bitmask holding this row's mask.
+    """
+
+    settings: SamplingSettings
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    banned: Sequence[int] = ()
+    generator: torch.Generator | None = None
+    bitmask_row: int | None = None
+
+
+@dataclass
+class SampleOutput:
+    """The chosen tokens of a step.
+
+    Attributes:
+        tokens: one token id per row (``-1`` for a failed row).
+        logprobs: per row, ``(chosen token's logprob, [(token, logprob)] of the top
+            ones)`` when the row asked for logprobs, else None.
+        failed: row -> why no token could be chosen.
+    """
+
+    tokens: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    failed: dict[int, str]
+
+
+def _column(rows: Sequence[RowSampling], name: str, off: float) -> Tensor | None:
+    values = [float(getattr(r.settings, name)) for r in rows]
+    if all(v == off for v in values):
+        return None
+    return torch.tensor(values)
+
+
+def _counts(rows: Sequence[RowSampling], vocab: int, *, prompt: bool) -> Tensor:
+    """``[B, V]`` occurrences of each token in each row's output (and prompt)."""
+    seqs = [list(r.output_ids) + (list(r.prompt_ids) if prompt else []) for r in rows]
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(rows), width), vocab, dtype=torch.long)  # ``vocab``: padding
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    counts = torch.zeros(len(rows), vocab + 1)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _penalise(x: Tensor, rows: Sequence[RowSampling]) -> Tensor:
+    presence = _column(rows, "presence_penalty", 0.0)
+    frequency = _column(rows, "frequency_penalty", 0.0)
+    repetition = _column(rows, "repetition_penalty", 1.0)
+    if presence is None and frequency is None and repetition is None:
+        return x
+    vocab = x.shape[-1]
+    out_counts = _counts(rows, vocab, prompt=False)
+    seen = _counts(rows, vocab, prompt=True) > 0 if repetition is not None else None
+    return apply_penalties(
+        x,
+        output_counts=out_counts,
+        seen=seen,
+        presence=presence,
+        frequency=frequency,
+        repetition=repetition,
+    )
+
+
+def _bias_and_ban(x: Tensor, rows: Sequence[RowSampling]) -> None:
+    r_idx: list[int] = []
+    c_idx: list[int] = []
+    vals: list[float] = []
+    ban_r: list[int] = []
+    ban_c: list[int] = []
+    for i, r in enumerate(rows):
+        for tok, bias in r.settings.logit_bias.items():
+            r_idx.append(i)
+            c_idx.append(int(tok))
+            vals.append(float(bias))
+        ban_r += [i] * len(r.banned)
+        ban_c += [int(t) for t in r.banned]
+    if vals:
+        x.index_put_(
+            (torch.tensor(r_idx), torch.tensor(c_idx)), torch.tensor(vals), accumulate=True
+        )
+    if ban_r:
+        x[torch.tensor(ban_r), torch.tensor(ban_c)] = float("-inf")
+
+
+def _raw_logprobs(
+    logits: Tensor, rows: Sequence[RowSampling]
+) -> tuple[list[int], Tensor | None, Tensor | None, Tensor | None]:
+    want = [i for i, r in enumerate(rows) if r.settings.logprobs is not None]
+    if not want:
+        return want, None, None, None
+    logp = torch.log_softmax(logits[want].float(), dim=-1)  # [b, V]
+    k = max(int(rows[i].settings.logprobs or 0) for i in want)
+    if k == 0:
+        return want, logp, None, None
+    vals, idx = logp.topk(k, dim=-1)  # [b, k]
+    return want, logp, vals, idx
+
+
+def _draw(
+    x: Tensor, rows: Sequence[RowSampling], sampled: list[int], fallback: torch.Generator | None
+) -> Tensor:
+    """One token for each row in ``sampled``: temperature, min-p, top-k, top-p, noise."""
+    sub = [rows[i] for i in sampled]
+    temps = torch.tensor([r.settings.temperature for r in sub])
+    z = x[sampled] / temps[:, None]  # [b, V]
+    min_p = _column(sub, "min_p", 0.0)
+    if min_p is not None:
+        z = min_p_filter(z, min_p)
+    top_k = _column(sub, "top_k", 0.0)
+    if top_k is not None:
+        z = top_k_filter(z, top_k.long())
+    top_p = _column(sub, "top_p", 1.0)
+    if top_p is not None:
+        z = top_p_filter(z, top_p)
+    probs = torch.softmax(z, dim=-1)
+    noise = torch.empty_like(probs)
+    shared = [j for j, r in enumerate(sub) if r.generator is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), z.shape[-1]).exponential_(generator=fallback)
+    for j, r in enumerate(sub):
+        if r.generator is not None:
+            noise[j].exponential_(generator=r.generator)
+    return sample_with_noise(probs, noise.clamp_min_(1e-30))
+
+
+def sample(
+    logits: Tensor,
+    rows: Sequence[RowSampling],
+    *,
+    bitmask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Choose one token for each row of a step.
+
+    Args:
+        logits: ``[B, V]`` the step's logits, one row per :class:`RowSampling`.
+        rows: the rows' settings and state.
+        bitmask: ``[M, ceil(V/32)]`` int32 grammar masks; row ``i`` of the step uses mask
+            row ``rows[i].bitmask_row`` (rows without one are unconstrained).
+        generator: draws the noise of rows without their own generator.
+
+    Returns:
+        The tokens, the requested log-probabilities and the rows that failed.
+    """
+    b, vocab = logits.shape
+    if len(rows) != b:
+        raise ValueError(f"sample: {b} rows of logits but {len(rows)} row settings")
+    want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
+    x = logits.float().clone()
+    if bitmask is not None:
+        masked = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
+        if masked:
+            which = torch.tensor([rows[i].bitmask_row for i in masked])
+            allowed = unpack_bitmask(bitmask[which], vocab)  # [m, V]
+            x[masked] = x[masked].masked_fill(~allowed, float("-inf"))
+    _bias_and_ban(x, rows)
+    x = _penalise(x, rows)
+    top = x.amax(dim=-1)  # [B]; NaN and +inf propagate, an all -inf row stays -inf
+    bad = (~torch.isfinite(top)).tolist()
+    failed = {
+        i: (
+            "no token can be chosen: the logits hold NaN or +inf"
+            if math.isnan(v) or v > 0
+            else "no token can be chosen: every token is masked (grammar, logit_bias or min_tokens)"
+        )
+        for i, (v, is_bad) in enumerate(zip(top.tolist(), bad, strict=True))
+        if is_bad
+    }
+    tokens = x.argmax(dim=-1)  # [B]; the greedy rows' tokens
+    sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
+    if sampled:
+        tokens[sampled] = _draw(x, rows, sampled, generator)
+    out = tokens.tolist()
+    for i in failed:
+        out[i] = -1
+    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * b
+    if logp is not None:
+        for j, i in enumerate(want):
+            if i in failed:
+                continue
+            k = int(rows[i].settings.logprobs or 0)
+            top_pairs: list[tuple[int, float]] = []
+            if k and top_idx is not None and top_vals is not None:
+                top_pairs = list(
+                    zip(top_idx[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True)
+                )
+            lps[i] = (float(logp[j, out[i]]), top_pairs)
+    return SampleOutput(out, lps, failed)

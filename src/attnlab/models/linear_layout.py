@@ -1,0 +1,52 @@
+"""Settings of the linear-attention and gated-recurrence mixers in a decoder layout.
+
+``LayerSpec(mixer="gated_delta_net", linear=LinearLayerConfig(...))``: one dataclass for
+DeltaNet, Gated DeltaNet, GLA, the RG-LRU block and the gated short convolution (each
+reads the fields it needs; None fields default from the :class:`DecoderConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnlab.functional._checks import check_positive_int
+
+__all__ = ["LINEAR_MIXERS", "LinearLayerConfig"]
+
+#: the mixers that read a :class:`LinearLayerConfig`
+LINEAR_MIXERS = ("delta_net", "gated_delta_net", "gla", "rglru", "short_conv", "rwkv7")
+
+
+@dataclass(frozen=True)
+class LinearLayerConfig:
+    """A linear-attention or gated-recurrence mixer's settings.
+
+    Attributes:
+        num_heads: key heads (DeltaNet/GDN ``H_k``, GLA ``H``, the RG-LRU's gate blocks);
+            default the config's ``num_attention_heads``.
+        num_value_heads: value heads of (Gated) DeltaNet (a multiple of ``num_heads``);
+            default ``num_heads``.
+        head_dim: key head dim; default the config's ``head_dim`` (GLA: half of it).
+        value_head_dim: value head dim; default ``head_dim`` (GLA: the config's ``head_dim``).
+        conv_kernel: width of the causal short convolution (GDN/DeltaNet 4, RG-LRU 4,
+            LFM2 3).
+        width: the RG-LRU's width ``W``; default the config's ``hidden_size``.
+        conv_bias: biases in the short convolution block (LFM2's ``conv_bias``).
+        chunk_size: tokens per chunk of the chunked forms.
+    """
+
+    num_heads: int | None = None
+    num_value_heads: int | None = None
+    head_dim: int | None = None
+    value_head_dim: int | None = None
+    conv_kernel: int = 4
+    width: int | None = None
+    conv_bias: bool = False
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_value_heads", "head_dim", "value_head_dim", "width"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_positive_int("conv_kernel", self.conv_kernel)
+        check_positive_int("chunk_size", self.chunk_size)

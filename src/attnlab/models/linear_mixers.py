@@ -1,0 +1,160 @@
+"""The linear-attention and gated-recurrence mixers, registered for any decoder layout.
+
+``LayerSpec(mixer=NAME, linear=LinearLayerConfig(...))`` with NAME one of:
+
+* ``"delta_net"``: DeltaNet (Yang et al., 2024), :class:`~attnlab.modules.delta_net.GatedDeltaNet`
+  without the decay;
+* ``"gated_delta_net"``: Gated DeltaNet (Yang et al., 2025) in Qwen3-Next's layout;
+* ``"gla"``: gated linear attention (Yang et al., 2024);
+* ``"rglru"``: Griffin's recurrent block (De et al., 2024), RecurrentGemma's layout;
+* ``"short_conv"``: LFM2's gated short convolution;
+* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual.
+
+Each carries a fixed-size state from :mod:`attnlab.cache.linear_state` in the model's one
+:class:`~attnlab.cache.base.ModelCache`, beside attention layers' KV caches in a hybrid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from attnlab.cache.linear_state import (
+    DeltaNetState,
+    GLAState,
+    RGLRUState,
+    RWKV7State,
+    ShortConvState,
+)
+from attnlab.cache.recurrent import RecurrentState
+from attnlab.models.linear_layout import LinearLayerConfig
+from attnlab.models.mixers import Mixer, MixerParts, StateMixer, register_mixer
+from attnlab.modules.delta_net import GatedDeltaNet
+from attnlab.modules.gla import GatedLinearAttention
+from attnlab.modules.rglru import GatedShortConv, RecurrentBlock
+from attnlab.modules.rwkv7 import RWKV7TimeMix
+
+if TYPE_CHECKING:
+    from attnlab.models.decoder_config import DecoderConfig
+
+__all__ = ["PositionalStateMixer"]
+
+
+class PositionalStateMixer(StateMixer):
+    """A :class:`StateMixer` that also hands the mixer the tokens' ``positions`` (RG-LRU's reset)."""
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        cache: Any = None,
+        token_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        **attention_keywords: Any,
+    ) -> tuple[Tensor, None]:
+        if cache is not None and not isinstance(cache, RecurrentState):
+            raise TypeError(
+                f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
+                f"{type(cache).__name__}; build the cache with the model's new_cache()"
+            )
+        out: Tensor = self.mixer(x, mask=token_mask, state=cache, positions=positions)
+        return out, None
+
+
+def _settings(config: DecoderConfig, parts: MixerParts) -> LinearLayerConfig:
+    spec = config.layer_specs[parts.layer_index].linear
+    return spec if spec is not None else LinearLayerConfig()
+
+
+def _delta_net(decay: bool) -> Any:
+    def build(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+        s = _settings(config, parts)
+        assert config.head_dim is not None
+        hk = s.num_heads or config.num_attention_heads
+        dk = s.head_dim or config.head_dim
+        return StateMixer(
+            mixer=GatedDeltaNet(
+                hidden_size=config.hidden_size,
+                num_k_heads=hk,
+                num_v_heads=s.num_value_heads or hk,
+                head_k_dim=dk,
+                head_v_dim=s.value_head_dim or dk,
+                conv_kernel=s.conv_kernel,
+                decay=decay,
+                norm_eps=config.norm_eps,
+                chunk_size=s.chunk_size,
+            )
+        )
+
+    return build
+
+
+def _gla(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    s = _settings(config, parts)
+    assert config.head_dim is not None
+    h = s.num_heads or config.num_attention_heads
+    dk = s.head_dim or max(1, config.head_dim // 2)
+    dv = s.value_head_dim or config.head_dim
+    return StateMixer(
+        mixer=GatedLinearAttention(
+            hidden_size=config.hidden_size,
+            num_heads=h,
+            key_dim=h * dk,
+            value_dim=h * dv,
+            norm_eps=config.norm_eps,
+            chunk_size=s.chunk_size,
+        )
+    )
+
+
+def _rglru(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    s = _settings(config, parts)
+    return PositionalStateMixer(
+        mixer=RecurrentBlock(
+            hidden_size=config.hidden_size,
+            lru_width=s.width or config.hidden_size,
+            num_blocks=s.num_heads or config.num_attention_heads,
+            conv_kernel=s.conv_kernel,
+            chunk_size=s.chunk_size,
+        )
+    )
+
+
+def _short_conv(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    s = _settings(config, parts)
+    return StateMixer(
+        mixer=GatedShortConv(
+            hidden_size=config.hidden_size, conv_kernel=s.conv_kernel, bias=s.conv_bias
+        )
+    )
+
+
+def _rwkv7(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    s = _settings(config, parts)
+    return StateMixer(
+        mixer=RWKV7TimeMix(
+            hidden_size=config.hidden_size,
+            num_heads=s.num_heads or config.num_attention_heads,
+            chunk_size=s.chunk_size,
+        )
+    )
+
+
+def _state_factory(state: type[RecurrentState]) -> Callable[[DecoderConfig, str, int], Any]:
+    def new_cache(config: DecoderConfig, kind: str, max_length: int) -> Any:
+        return state()
+
+    return new_cache
+
+
+for _name, _build, _state in (
+    ("delta_net", _delta_net(False), DeltaNetState),
+    ("gated_delta_net", _delta_net(True), DeltaNetState),
+    ("gla", _gla, GLAState),
+    ("rglru", _rglru, RGLRUState),
+    ("short_conv", _short_conv, ShortConvState),
+    ("rwkv7", _rwkv7, RWKV7State),
+):
+    register_mixer(Mixer(name=_name, build=_build, new_cache=_state_factory(_state)))
