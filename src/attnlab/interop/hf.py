@@ -121,6 +121,7 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        phi3,
         qwen,
         ssm,
         t5,

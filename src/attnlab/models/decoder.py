@@ -236,6 +236,15 @@ class DecoderLM(nn.Module):
         self.tokenizer: Any = None
         self.generation_config: dict[str, Any] = {}
 
+    @property
+    def prefill_again_at(self) -> int | None:
+        """The slot at which ``generate`` encodes the whole sequence again: LongRoPE's
+        ``original_max_position_embeddings`` (its frequencies change past it), else None."""
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     def num_parameters(self) -> int:
         """Number of parameters (tied matrices counted once)."""
         return sum(p.numel() for p in self.parameters())
