@@ -271,8 +271,9 @@ def _static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
     rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(
-            f"compile=True needs fixed RoPE frequencies; {rope_type} scaling changes them "
-            "with the length: use compile=False"
+            "compile=True needs fixed RoPE frequencies; "
+            + ("dynamic NTK" if rope_type == "dynamic" else "LongRoPE")
+            + " scaling changes them with the length: use compile=False"
         )
     if cache is None:
         # Lengths rounded up to a bucket: one compiled graph serves many prompt lengths
