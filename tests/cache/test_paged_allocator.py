@@ -152,3 +152,24 @@ def test_pool_fuzz_100k_operations() -> None:
         pool.free(sid)
     assert pool.num_used_blocks == 0 and pool.num_free_blocks == pool.num_blocks
     pool.allocator.check()
+
+
+def test_the_kv_manager_and_the_allocator_are_torch_free() -> None:
+    """The book-keeping of a paged cache imports no tensor library (it only names blocks)."""
+    import ast
+    import importlib
+
+    for name in ("attnlab.cache.paged.manager", "attnlab.cache.paged.allocator"):
+        path = importlib.import_module(name).__file__
+        assert path is not None
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        imported = {
+            n.module if isinstance(n, ast.ImportFrom) else a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import | ast.ImportFrom)
+            for a in (n.names if isinstance(n, ast.Import) else [n])  # type: ignore[attr-defined]
+        }
+        assert not any(
+            m and (m == "torch" or m.startswith(("torch.", "attnlab.functional"))) for m in imported
+        ), (name, imported)

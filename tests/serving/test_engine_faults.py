@@ -76,16 +76,16 @@ def test_a_fault_in_the_forward_fails_its_requests_and_the_engine_goes_on(
 ) -> None:
     reference = _tokens(engine.generate(PROMPTS[:1], _params()[:1]))
     model = engine.model
-    real_forward = model.forward
+    real_forward = model.forward_flat  # the step's one forward
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected forward fault")
 
-    monkeypatch.setattr(model, "forward", broken)
+    monkeypatch.setattr(model, "forward_flat", broken)
     out = engine.generate(["x y z"], SamplingParams(max_tokens=4))
     assert out[0][0].finish_reason == "error" and "injected forward" in str(out[0][0].error)
     assert engine.pool.num_used_blocks == 0 and not engine.has_work()
-    monkeypatch.setattr(model, "forward", real_forward)
+    monkeypatch.setattr(model, "forward_flat", real_forward)
     assert _tokens(engine.generate(PROMPTS[:1], _params()[:1])) == reference
 
 

@@ -27,7 +27,15 @@ from attnlab.backends.registry import get
 from attnlab.backends.select import choose_call
 from attnlab.functional.masks import MaskPattern
 
-__all__ = ["AttentionPlan", "BlockTable", "KVView", "SequenceLayout", "make_plan"]
+__all__ = [
+    "AttentionPlan",
+    "BlockTable",
+    "KVView",
+    "SeqGroup",
+    "SequenceLayout",
+    "StateGroup",
+    "make_plan",
+]
 
 #: Where new tokens go: one slot for every row, or a long ``[B]``/0-d tensor.
 Start = int | Tensor
@@ -56,6 +64,11 @@ class BlockTable:
     lengths: tuple[int, ...]
     offsets: tuple[int, ...]
     first_block: tuple[int, ...]
+    #: for a backend that does not read blocks: long ``[B, T]`` pool slot of each row's
+    #: token ``p`` (``T`` the longest row; 0 past a row's tokens), and its slot in the
+    #: step's layout (``-1`` past a row's tokens), or None
+    gather: Tensor | None = None
+    gather_positions: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,24 @@ class SeqGroup:
 
 
 @dataclass(frozen=True)
+class StateGroup:
+    """Sequences of a flat batch that a recurrent layer runs as rows of one batch: the
+    same number of new tokens (no padding to skip) and all fresh or all continuing.
+
+    Attributes:
+        rows: long ``[n_g]`` sequence indices in the layout.
+        tokens: long ``[n_g * length]`` their flat tokens, row after row.
+        length: new tokens of each.
+        fresh: their states start now (none of their tokens was computed before).
+    """
+
+    rows: Tensor
+    tokens: Tensor
+    length: int
+    fresh: bool
+
+
+@dataclass(frozen=True)
 class SequenceLayout:
     """Several sequences' tokens in one flat row ``[1, N]`` (a varlen batch), no padding.
 
@@ -103,6 +134,7 @@ class SequenceLayout:
     bounds: tuple[int, ...]
     seq_ids: Tensor
     groups: tuple[SeqGroup, ...]
+    state_groups: tuple[StateGroup, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -119,6 +151,7 @@ class SequenceLayout:
         lengths: list[int],
         *,
         blocks: BlockTable | None = None,
+        fresh: list[bool] | None = None,
         device: torch.device | None = None,
     ) -> SequenceLayout:
         """The layout of sequences of ``lengths`` new tokens, in this order.
@@ -129,6 +162,8 @@ class SequenceLayout:
         Args:
             lengths: new tokens per sequence.
             blocks: the sequences' block tables (one row each), split per group.
+            fresh: per sequence, whether its recurrent state starts now (no token of it
+                computed before); default: none is.
             device: of the index tensors.
 
         Raises:
@@ -141,10 +176,28 @@ class SequenceLayout:
             bounds.append(bounds[-1] + n)
         seq = [i for i, n in enumerate(lengths) for _ in range(n)]
         groups = tuple(_group(rows, bounds, blocks, device) for rows in _group_rows(list(lengths)))
+        fresh = fresh if fresh is not None else [False] * len(lengths)
+        by_kind: dict[tuple[int, bool], list[int]] = {}
+        for i, (n, f) in enumerate(zip(lengths, fresh)):
+            by_kind.setdefault((n, f), []).append(i)
+        state_groups = tuple(
+            StateGroup(
+                rows=torch.tensor(rows, dtype=torch.long, device=device),
+                tokens=torch.tensor(
+                    [t for i in rows for t in range(bounds[i], bounds[i + 1])],
+                    dtype=torch.long,
+                    device=device,
+                ),
+                length=n,
+                fresh=f,
+            )
+            for (n, f), rows in by_kind.items()
+        )
         return cls(
             bounds=tuple(bounds),
             seq_ids=torch.tensor(seq, dtype=torch.long, device=device),
             groups=groups,
+            state_groups=state_groups,
         )
 
 

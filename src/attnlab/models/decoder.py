@@ -46,6 +46,7 @@ from attnlab.models.decoder_parts import (
     layer_rotaries,
     score_mods,
 )
+from attnlab.models.flat import FlatBatch, decoder_forward_flat
 from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
 from attnlab.models.outputs import CausalLMOutput
@@ -531,14 +532,7 @@ class DecoderLM(nn.Module):
         device = x.device
         q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
         positions = q_slots if position_ids is None else position_ids
-        if self.config.embedding_scale is not None:  # Gemma: sqrt(D) in the weights' dtype
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
-        if self.embed_positions is not None:
-            x = x + self.embed_positions(positions)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        if self.training and self.config.hidden_dropout > 0:
-            x = self.dropout(x)
+        x = self._embed_extras(x, positions)
         plans = self._plans(
             x, start, mask, positions, q_slots, cache, output_attentions, extra, backend
         )
@@ -563,10 +557,7 @@ class DecoderLM(nn.Module):
             hidden[-1] = x
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self.lm_logits(x)  # [B, L, V]
-        cap = self.config.final_logit_softcapping
-        if cap is not None:  # Gemma 2's output soft-cap
-            logits = torch.tanh(logits / cap) * cap
+        logits = self._head(x)  # [B, L, V]
         return (
             logits,
             tuple(hidden) if output_hidden_states else None,
@@ -667,6 +658,32 @@ class DecoderLM(nn.Module):
         else:
             k_slots = torch.arange(q_slots.shape[-1] + int(start), device=q_slots.device)[None]
         return layer_pattern(window, mask, extra, mods), False, q_slots, k_slots
+
+    def _embed_extras(self, x: Tensor, positions: Tensor) -> Tensor:
+        """What follows the token embedding: Gemma's scale, absolute positions, the
+        embedding norm, dropout."""
+        if self.config.embedding_scale is not None:  # Gemma: sqrt(D) in the weights' dtype
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        if self.training and self.config.hidden_dropout > 0:
+            x = self.dropout(x)
+        return x
+
+    def _head(self, x: Tensor) -> Tensor:
+        """Logits ``[.., V]`` of final hidden states (Gemma 2's soft-cap included)."""
+        logits = self.lm_logits(x)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2's output soft-cap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward_flat(self, input_ids: Tensor, batch: FlatBatch, cache: ModelCache) -> Tensor:
+        """One serving step over a flat row (see :mod:`attnlab.models.flat`): logits
+        ``[n_s, V]`` of each sequence's last token."""
+        return decoder_forward_flat(self, input_ids, batch, cache)
 
     def _attention_call(
         self,

@@ -30,6 +30,8 @@ from attnlab.cache.linear_state import (
     ShortConvState,
 )
 from attnlab.cache.recurrent import RecurrentState
+from attnlab.cache.state_slots import StateSlots
+from attnlab.models.flat import run_grouped
 from attnlab.models.linear_layout import LinearLayerConfig
 from attnlab.models.mixers import Mixer, MixerParts, StateMixer, register_mixer
 from attnlab.modules.delta_net import GatedDeltaNet
@@ -47,12 +49,25 @@ class PositionalStateMixer(StateMixer):
     """A :class:`StateMixer` that also hands the mixer the tokens' ``positions`` (RG-LRU's reset)."""
 
     def forward(self, x: Tensor, plan: AttentionPlan, cache: Any = None) -> tuple[Tensor, None]:
+        if plan.layout is not None:  # a flat serving step: states in slots, by group
+            assert plan.state_slots is not None and plan.positions is not None
+            assert isinstance(cache, StateSlots)
+            mixer = self.mixer
+            out = run_grouped(
+                lambda xg, pos, state: mixer(xg, mask=None, state=state, positions=pos),
+                x,
+                plan.layout,
+                plan.positions,
+                plan.state_slots,
+                cache,
+            )
+            return out, None
         if cache is not None and not isinstance(cache, RecurrentState):
             raise TypeError(
                 f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
                 f"{type(cache).__name__}; build the cache with the model's new_cache()"
             )
-        out: Tensor = self.mixer(x, mask=plan.token_mask, state=cache, positions=plan.positions)
+        out = self.mixer(x, mask=plan.token_mask, state=cache, positions=plan.positions)
         return out, None
 
 

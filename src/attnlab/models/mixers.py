@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from attnlab.backends.plan import AttentionPlan
 from attnlab.cache.recurrent import MambaState, RecurrentState
+from attnlab.cache.state_slots import StateSlots
+from attnlab.models.flat import run_grouped
 from attnlab.models.layout import MambaLayerConfig
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.mamba import MambaMixer
@@ -157,12 +159,25 @@ class StateMixer(nn.Module):
         Raises:
             TypeError: ``cache`` is not a recurrent state (e.g. a KV cache).
         """
-        if cache is not None and not isinstance(cache, RecurrentState):
+        if cache is not None and not isinstance(cache, RecurrentState | StateSlots):
             raise TypeError(
                 f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
                 f"{type(cache).__name__}; build the cache with the model's new_cache()"
             )
-        out: Tensor = self.mixer(x, mask=plan.token_mask, state=cache)
+        if plan.layout is not None:  # a flat serving step: states in slots, by group
+            assert plan.state_slots is not None and plan.positions is not None
+            assert isinstance(cache, StateSlots)
+            mixer = self.mixer
+            out = run_grouped(
+                lambda xg, _pos, state: mixer(xg, mask=None, state=state),
+                x,
+                plan.layout,
+                plan.positions,
+                plan.state_slots,
+                cache,
+            )
+            return out, None
+        out = self.mixer(x, mask=plan.token_mask, state=cache)
         return out, None
 
 

@@ -23,8 +23,10 @@ from torch import Tensor, nn
 
 from attnlab.cache.kv_cache import ModelCache
 from attnlab.cache.recurrent import RecurrentState, RetentionState, RWKVState
+from attnlab.cache.state_slots import StateSlots
 from attnlab.functional._checks import check_tensor
 from attnlab.functional.positions import positions_from_mask
+from attnlab.models.flat import FlatBatch, run_grouped
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 from attnlab.modules.linear import make_linear
@@ -150,6 +152,23 @@ class RecurrentLM(nn.Module):
         if labels is not None:
             out.loss = causal_lm_loss(logits, labels)  # type: ignore[attr-defined]
         return out
+
+    def forward_flat(self, input_ids: Tensor, batch: FlatBatch, cache: ModelCache) -> Tensor:
+        """One serving step over a flat row ``input_ids [1, N]`` (:mod:`attnlab.models.flat`):
+        every block runs each group of sequences over their state slots; logits
+        ``[n_s, V]`` of each sequence's last token."""
+        assert batch.state_slots is not None
+        x = self._embed(self.embed_tokens(input_ids))  # [1, N, D]
+        for layer, slots in zip(self.layers, cache.layers):
+            assert isinstance(slots, StateSlots)
+
+            def block(xg: Tensor, pos: Tensor, state: Any, layer: nn.Module = layer) -> Tensor:
+                out: Tensor = layer(xg, mask=None, positions=pos, state=state)
+                return out
+
+            x = run_grouped(block, x, batch.layout, batch.positions, batch.state_slots, slots)
+        x = self.norm_f(x.index_select(1, batch.last))  # [1, n_s, D]
+        return F.linear(x, self.output_weight)[0]  # [n_s, V]
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
         """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""

@@ -11,9 +11,11 @@ prompt's blocks (copy-on-write), and when the pool runs out the latest-arrived
 running sequence is preempted: its blocks are freed and it is recomputed later from
 its tokens, so no sequence is ever corrupted and the engine never fails for memory.
 
-The step runs the one model forward (a left-padded batch with an ``attention_mask``;
-see :mod:`attnlab.cache.paged.pool`), so the engine adds no attention math of its
-own and serves every decoder attnlab builds.
+The step is one flat forward (:class:`~attnlab.serving.runner.ModelRunner`): every
+scheduled token of every sequence in one ``[1, N]`` row with its own position, no
+padding computed, attention layers over the paged pool and recurrent layers over one
+state slot per sequence, so the engine adds no attention math of its own and serves
+every decoder attnlab builds (attention, Mamba/Mamba-2/RWKV/RetNet, hybrids).
 
 Threads: the engine is not thread-safe; one thread calls :meth:`add_request`,
 :meth:`abort` and :meth:`step`. :class:`~attnlab.serving.async_engine.AsyncEngine`
@@ -35,10 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.paged import OutOfBlocks, PagedKVPool
+from attnlab.cache.paged import OutOfBlocks
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.params import ParamError, SamplingParams
+from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 from attnlab.serving.step_sampling import sample_step
 
 __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput"]
@@ -185,9 +188,11 @@ class Engine:
         if (
             config is None
             or getattr(model, "is_encoder_decoder", False)
-            or not hasattr(model, "new_cache")
+            or not hasattr(model, "forward_flat")
         ):
-            raise TypeError(f"the engine serves attnlab decoders, got {type(model).__name__}")
+            raise TypeError(
+                f"the engine serves attnlab decoders and recurrent LMs, got {type(model).__name__}"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
@@ -195,14 +200,32 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_waiting = max_waiting
+        specs = layer_specs(model)
+        #: why prefix caching is off although it was asked for, or None
+        self.prefix_caching_refused: str | None = None
+        if prefix_caching and "state" in specs:
+            prefix_caching = False
+            self.prefix_caching_refused = (
+                "the model has recurrent layers: a state holds the whole prefix in one "
+                "slot, so a cached prefix cannot resume without it"
+            )
+            log.info("prefix caching refused: %s", self.prefix_caching_refused)
         if num_blocks is None:
-            probe = PagedKVPool.for_model(model, num_blocks=1, block_size=block_size)
+            probe = pool_for(
+                model, specs, num_blocks=1, block_size=block_size, prefix_caching=False
+            )
             want = max_num_seqs * -(-self.max_model_len // (2 * block_size))
-            num_blocks = max(4, min(want, kv_cache_bytes // probe.bytes_per_block()))
-        self.pool = PagedKVPool.for_model(
-            model, num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching
+            per_block = probe.bytes_per_block()
+            cap = kv_cache_bytes // per_block if per_block else want
+            num_blocks = max(4, min(want, cap))
+        self.pool = pool_for(
+            model,
+            specs,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
         )
-        self.cache = self.pool.model_cache()
+        self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
@@ -332,6 +355,7 @@ class Engine:
     def _drop(self, seq: _Seq) -> None:
         if seq.in_pool:
             self.pool.free(seq.seq_id)
+            self.runner.release(seq.seq_id)
             seq.in_pool = False
         if seq in self.running:
             self.running.remove(seq)
@@ -357,6 +381,7 @@ class Engine:
         victim = max(self.running, key=lambda s: (s.request.order, s.index))
         self.running.remove(victim)
         self.pool.free(victim.seq_id)
+        self.runner.release(victim.seq_id)
         victim.in_pool = False
         self.waiting.appendleft(victim)
         rows[:] = [r for r in rows if r[0] is not victim]
@@ -428,23 +453,14 @@ class Engine:
         rows = self._schedule()
         if not rows:
             return self._collect()
-        logits = torch.empty(len(rows), self.vocab_size)
-        for group in self._groups(rows):
-            batch = self.pool.begin_step([(rows[r][0].seq_id, rows[r][1]) for r in group])
-            try:
-                out = self.model(
-                    batch.input_ids,
-                    attention_mask=batch.attention_mask,
-                    past_key_values=self.cache,
-                    logits_to_keep=1,
-                ).logits[:, -1]  # [b, V]
-            except Exception as e:  # this forward's requests fail; the other groups go on
-                self.pool.end_step()
-                for r in group:
-                    self._fail(rows[r][0].request, f"the forward failed: {type(e).__name__}: {e}")
-                continue
-            self.pool.end_step()
-            logits[group] = out.float()
+        try:  # one flat forward of every row's tokens
+            logits = self.runner.run([(seq.seq_id, n) for seq, n in rows]).float()  # [R, V]
+        except Exception as e:  # the step's requests fail; the engine goes on
+            for seq, _ in rows:
+                self._fail(seq.request, f"the forward failed: {type(e).__name__}: {e}")
+            return self._collect()
+        for seq, n in rows:
+            self.pool.manager.commit(seq.seq_id, n)
         done = [
             (r, seq)
             for r, (seq, _n) in enumerate(rows)
@@ -463,31 +479,6 @@ class Engine:
         )
         return self._collect()
 
-    @staticmethod
-    def _groups(rows: list[tuple[_Seq, int]]) -> list[list[int]]:
-        """Split a step's rows into forwards whose padding stays small.
-
-        A forward pads every row to the longest row's new tokens, so the decode rows (one
-        token each) run together, and prefill chunks, longest first, join a forward only
-        while the padded size stays within 1.25x the tokens it holds.
-        """
-        decode = [r for r, (_, n) in enumerate(rows) if n == 1]
-        chunks = sorted((r for r, (_, n) in enumerate(rows) if n > 1), key=lambda r: -rows[r][1])
-        groups = [decode] if decode else []
-        current: list[int] = []
-        held = 0
-        for r in chunks:
-            n = rows[r][1]
-            width = rows[current[0]][1] if current else n
-            if current and (len(current) + 1) * width > 1.25 * (held + n):
-                groups.append(current)
-                current, held = [], 0
-            current.append(r)
-            held += n
-        if current:
-            groups.append(current)
-        return groups
-
     def _sample(self, logits: Tensor, done: list[tuple[int, _Seq]]) -> None:
         pairs: list[tuple[int, _Seq]] = []
         for r, seq in done:
@@ -498,6 +489,7 @@ class Engine:
                 children = [self._new_seq(req, i) for i in range(1, p.n)]
                 for child in children:
                     self.pool.fork(seq.seq_id, child.seq_id)
+                    self.runner.fork(seq.seq_id, child.seq_id)
                     child.in_pool = True
                     self.running.append(child)
                 pairs += [(r, s) for s in (seq, *children)]

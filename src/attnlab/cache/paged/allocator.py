@@ -28,7 +28,7 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from attnlab.functional._checks import check_positive_int
+from attnlab._validate import check_positive_int
 
 __all__ = ["BlockAllocator", "OutOfBlocks", "block_hash"]
 

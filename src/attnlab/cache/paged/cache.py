@@ -85,11 +85,33 @@ class PagedKVCache(KVCache):
         """Write the new keys/values into the pool; return the pools and block tables when
         the plan's backend reads blocks, else every row's keys gathered (with the plan's
         key slots)."""
+        if plan.write_slots is not None:
+            return self._flat_view(key, value, plan)
         if plan.reads_blocks:
             kp, vp, table = self.update_blocks(key, value, start=plan.start)
             return KVView(kp, vp, None, table)
         k, v = self.update(key, value, start=plan.start)
         return KVView(k, v, plan.k_positions)
+
+    def _flat_view(self, key: Tensor, value: Tensor, plan: AttentionPlan) -> KVView:
+        """A flat serving step: the row's keys/values ``[1, H_kv, N, h_d]`` go to their
+        pool slots; the attention reads the pools through the block tables, or every
+        sequence's keys gathered ``[n_s, H_kv, T, h_d]`` with their positions."""
+        assert plan.write_slots is not None and plan.blocks is not None
+        storage = self.pool.storage
+        storage.write(
+            self.layer, plan.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1)
+        )  # [N, H_kv, h_d]
+        kp, vp = storage.keys[self.layer], storage.values[self.layer]
+        if plan.reads_blocks:
+            return KVView(kp, vp, None, plan.blocks)
+        gather, pos = plan.blocks.gather, plan.blocks.gather_positions
+        assert gather is not None and pos is not None
+        n, t = gather.shape
+        h = kp.shape[1]
+        keys = kp.index_select(0, gather.view(-1)).view(n, t, h, -1).transpose(1, 2)
+        values = vp.index_select(0, gather.view(-1)).view(n, t, h, -1).transpose(1, 2)
+        return KVView(keys, values, pos)  # [n_s, H_kv, T, h_d], slots [n_s, T]
 
     def update_blocks(
         self, key: Tensor, value: Tensor, *, start: Start

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from attnlab.backends.plan import BlockTable
 from attnlab.cache.kv_cache import ModelCache
-from attnlab.cache.paged.allocator import BlockAllocator, OutOfBlocks
+from attnlab.cache.paged.allocator import OutOfBlocks
 from attnlab.cache.paged.manager import KVManager, SeqId, _Sequence
 from attnlab.cache.paged.storage import KVStorage
 

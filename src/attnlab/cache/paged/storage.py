@@ -49,18 +49,24 @@ class KVStorage:
         device: torch.device | str | None = None,
         value_head_dim: int | None = None,
     ) -> None:
+        if not isinstance(num_layers, int) or num_layers < 0:
+            raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
         for name, value in (
-            ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
             ("num_blocks", num_blocks),
             ("block_size", block_size),
         ):
             check_positive_int(name, value)
-        vd = head_dim if value_head_dim is None else check_positive_int("value_head_dim", value_head_dim)
+        vd = (
+            head_dim
+            if value_head_dim is None
+            else check_positive_int("value_head_dim", value_head_dim)
+        )
         slots = num_blocks * block_size
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.keys = [
             torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
@@ -72,7 +78,7 @@ class KVStorage:
 
     @property
     def device(self) -> torch.device:
-        return self.keys[0].device
+        return self._device
 
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers (keys and values)."""

@@ -1,0 +1,210 @@
+"""The model runner: one scheduled step -> one flat forward -> each sequence's logits.
+
+Shape notation: ``N`` tokens of the step, ``n_s`` sequences, ``T`` the longest sequence
+(cached + new tokens), ``V`` vocabulary.
+
+The scheduler decides which tokens of which sequences run (``(seq_id, num_new)`` rows,
+their blocks reserved in the :class:`~attnlab.cache.paged.manager.KVManager`); the
+runner lays them out as one ``[1, N]`` row (:mod:`attnlab.models.flat`): each token's
+position in its own sequence, each sequence's block table, the pool slot each new key
+goes to, each sequence's recurrent-state slot, and calls the model's ``forward_flat``
+once. No token of padding is computed.
+
+Per-layer cache specs: an attention layer reads and writes the paged pool
+(:class:`~attnlab.cache.paged.storage.KVStorage`, one pool per attention layer); a
+recurrent layer (Mamba, Mamba-2, RWKV, RetNet, the linear mixers) holds one state slot
+per sequence (:class:`~attnlab.cache.state_slots.StateSlots`). A hybrid holds both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.backends.plan import BlockTable, SequenceLayout
+from attnlab.cache.base import LayerCache, ModelCache
+from attnlab.cache.paged.manager import FREED, KVManager, SeqId
+from attnlab.cache.paged.pool import PagedKVPool
+from attnlab.cache.recurrent import RecurrentState
+from attnlab.cache.state_slots import SlotTable, StateSlots
+from attnlab.models.flat import FlatBatch
+
+__all__ = ["ModelRunner", "layer_specs", "pool_for"]
+
+
+def layer_specs(model: nn.Module) -> list[str]:
+    """Each layer's cache spec: ``"kv"`` (attention: KV blocks) or ``"state"`` (one
+    recurrent state slot per sequence).
+
+    Raises:
+        TypeError: a model the runner cannot serve (no ``forward_flat``).
+    """
+    if not hasattr(model, "forward_flat"):
+        raise TypeError(
+            f"the engine serves attnlab decoders and recurrent LMs, got {type(model).__name__}"
+        )
+    cache = model.new_cache()  # type: ignore[operator]
+    return ["state" if isinstance(c, RecurrentState) else "kv" for c in cache.layers]
+
+
+def pool_for(
+    model: nn.Module,
+    specs: list[str],
+    *,
+    num_blocks: int,
+    block_size: int,
+    prefix_caching: bool,
+) -> PagedKVPool:
+    """The paged pool of ``model``'s attention layers (none for a recurrent LM: the
+    blocks then only count tokens for the scheduler).
+
+    A sliding window frees blocks behind it only when every attention layer has it.
+    """
+    config = model.config
+    n_kv = specs.count("kv")
+    p = next(model.parameters())
+    windows = {w for w, spec in zip(getattr(model, "layer_windows", ()), specs) if spec == "kv"}
+    return PagedKVPool(
+        num_layers=n_kv,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or 1 if n_kv else 1,
+        head_dim=getattr(config, "head_dim", None) or 1 if n_kv else 1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        dtype=p.dtype,
+        device=p.device,
+        prefix_caching=prefix_caching,
+        sliding_window=windows.pop() if len(windows) == 1 else None,
+    )
+
+
+def _state_maker(model: nn.Module, index: int) -> object:
+    def make() -> RecurrentState:
+        state = model.new_cache().layers[index]  # type: ignore[operator]
+        assert isinstance(state, RecurrentState)
+        return state
+
+    return make
+
+
+class ModelRunner:
+    """Turns a scheduled step into one flat forward.
+
+    Args:
+        model: an attnlab decoder or recurrent LM with ``forward_flat``.
+        pool: the paged pool (its manager and storage) of the attention layers.
+        max_num_seqs: state slots of each recurrent layer.
+    """
+
+    def __init__(self, model: nn.Module, pool: PagedKVPool, *, max_num_seqs: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.manager: KVManager = pool.manager
+        self.specs = layer_specs(model)
+        self.slots = SlotTable(max_num_seqs)
+        layers: list[LayerCache] = []
+        attn = 0
+        for i, spec in enumerate(self.specs):
+            if spec == "kv":
+                layers.append(pool.layers[attn])
+                attn += 1
+            else:
+                make = _state_maker(model, i)
+                layers.append(StateSlots(make=make, num_slots=max_num_seqs))  # type: ignore[arg-type]
+        self.cache = ModelCache(layers=layers)
+        self.has_state = "state" in self.specs
+        self.has_kv = attn > 0
+
+    # ------------------------------------------------------------------ state slots
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """Give ``child`` a copy of ``parent``'s recurrent states (its KV blocks are
+        shared by the manager)."""
+        if not self.has_state:
+            return
+        src, dst = self.slots.slot(parent), self.slots.slot(child)
+        for c in self.cache.layers:
+            if isinstance(c, StateSlots):
+                c.copy(src, dst)
+
+    def release(self, seq_id: SeqId) -> None:
+        """``seq_id`` left the pool (finished or preempted): its state slot is free."""
+        self.slots.release(seq_id)
+
+    # ------------------------------------------------------------------ the step
+
+    def batch(self, rows: Sequence[tuple[SeqId, int]]) -> tuple[Tensor, FlatBatch]:
+        """``(input_ids [1, N], FlatBatch)`` of a step's rows (reserved in the manager)."""
+        m, bs = self.manager, self.manager.block_size
+        dev = self.pool.storage.device
+        ids: list[int] = []
+        pos: list[int] = []
+        write: list[int] = []
+        last: list[int] = []
+        tables: list[list[int]] = []
+        totals: list[int] = []
+        fresh: list[bool] = []
+        for sid, n in rows:
+            s = m._seq(sid)
+            start = s.computed
+            ids += s.tokens[start : start + n]
+            pos += range(start, start + n)
+            write += [s.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            last.append(len(ids) - 1)
+            tables.append([0 if b == FREED else b for b in s.blocks])
+            totals.append(start + n)
+            fresh.append(start == 0)
+        blocks = self._blocks(rows, tables, totals, dev) if self.has_kv else None
+        lengths = [n for _, n in rows]
+        layout = SequenceLayout.from_lengths(lengths, blocks=blocks, fresh=fresh, device=dev)
+
+        def t(x: list[int]) -> Tensor:
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        state = t([self.slots.slot(sid) for sid, _ in rows]) if self.has_state else None
+        flat = FlatBatch(
+            positions=t(pos)[None],
+            layout=layout,
+            last=t(last),
+            blocks=blocks,
+            write_slots=t(write) if self.has_kv else None,
+            state_slots=state,
+        )
+        return t(ids)[None], flat
+
+    def _blocks(
+        self,
+        rows: Sequence[tuple[SeqId, int]],
+        tables: list[list[int]],
+        totals: list[int],
+        dev: torch.device,
+    ) -> BlockTable:
+        bs = self.manager.block_size
+        nb = max(len(tb) for tb in tables)
+        table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long)
+        t = max(totals)
+        j = torch.arange(t)[None]  # [1, T] token index in the row
+        tot = torch.tensor(totals)[:, None]
+        valid = j < tot
+        jc = j.clamp(max=nb * bs - 1).expand(len(totals), t)  # [n_s, T]
+        gather = (table.gather(1, jc // bs) * bs + jc % bs).masked_fill(~valid, 0)  # [n_s, T]
+        first = tuple(self.manager._seq(sid).first_live for sid, _ in rows)
+        return BlockTable(
+            table=table.to(dev),
+            block_size=bs,
+            lengths=tuple(totals),
+            offsets=(0,) * len(totals),
+            first_block=first,
+            gather=gather.to(dev),
+            gather_positions=torch.where(valid, j, -1).to(dev),
+        )
+
+    def run(self, rows: Sequence[tuple[SeqId, int]]) -> Tensor:
+        """One forward over the step's rows: logits ``[n_s, V]`` of each row's last token.
+
+        The caller commits the rows' tokens in the manager after (``KVManager.commit``).
+        """
+        ids, flat = self.batch(rows)
+        logits: Tensor = self.model.forward_flat(ids, flat, self.cache)  # type: ignore[operator]
+        return logits
