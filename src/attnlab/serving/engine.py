@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache.paged import OutOfBlocks
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.params import ParamError, SamplingParams
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
+from attnlab.serving.scheduler import Scheduler
 from attnlab.serving.step_sampling import sample_step
 
 __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput"]
@@ -233,8 +233,13 @@ class Engine:
             set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
         )
         self.requests: dict[str, _Request] = {}
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
+        self.scheduler = Scheduler(
+            self.pool.manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            on_admit=self._admitted,
+            on_preempt=self._preempted,
+        )
         self._seq_ids = itertools.count()
         self._order = itertools.count()
         self.metrics = EngineMetrics()
@@ -363,6 +368,16 @@ class Engine:
             self.waiting.remove(seq)
 
     @property
+    def waiting(self) -> deque[_Seq]:
+        """Sequences waiting to (re)enter the pool, in order."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[_Seq]:
+        """Sequences holding blocks."""
+        return self.scheduler.running
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -376,69 +391,15 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
 
-    def _preempt(self, rows: list[tuple[_Seq, int]]) -> _Seq:
-        """Free the lowest-priority (latest-arrived) running sequence; recompute it later."""
-        victim = max(self.running, key=lambda s: (s.request.order, s.index))
-        self.running.remove(victim)
-        self.pool.free(victim.seq_id)
-        self.runner.release(victim.seq_id)
-        victim.in_pool = False
-        self.waiting.appendleft(victim)
-        rows[:] = [r for r in rows if r[0] is not victim]
-        self.metrics.preemptions += 1
-        log.debug("preempted sequence %d of %s", victim.seq_id, victim.request.request_id)
-        return victim
+    def _admitted(self, seq: _Seq, cached: int) -> None:
+        if seq.index == 0 and not seq.output_ids:
+            seq.request.cached_tokens = cached
+            self.metrics.prompt_tokens += len(seq.tokens)
+            self.metrics.cached_prompt_tokens += cached
 
-    def _schedule(self) -> list[tuple[_Seq, int]]:
-        budget = self.max_num_batched_tokens
-        rows: list[tuple[_Seq, int]] = []
-        pending = {
-            s.seq_id: self.pool.num_tokens(s.seq_id) - self.pool.num_computed(s.seq_id)
-            for s in self.running
-        }
-        # decode tokens first, then prefill chunks, each in arrival order
-        order = sorted(
-            self.running, key=lambda s: (pending[s.seq_id] > 1, s.request.order, s.index)
-        )
-        for seq in order:
-            if seq not in self.running or budget <= 0:
-                continue
-            n = min(pending[seq.seq_id], budget)
-            while True:
-                try:
-                    self.pool.reserve(seq.seq_id, n)
-                    rows.append((seq, n))
-                    budget -= n
-                    break
-                except OutOfBlocks:
-                    if self._preempt(rows) is seq:
-                        break
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.pool.add_sequence(seq.seq_id, seq.tokens)
-            n = min(len(seq.tokens) - cached, budget)
-            spare = len(self.running)  # a block of room for each running sequence to grow
-            if (
-                self.pool.blocks_needed(seq.seq_id, n) + spare > self.pool.num_free_blocks
-                and self.running
-            ):
-                self.pool.free(seq.seq_id)
-                break
-            try:
-                self.pool.reserve(seq.seq_id, n)
-            except OutOfBlocks:
-                self.pool.free(seq.seq_id)
-                break
-            self.waiting.popleft()
-            seq.in_pool = True
-            if seq.index == 0 and not seq.output_ids:
-                seq.request.cached_tokens = cached
-                self.metrics.prompt_tokens += len(seq.tokens)
-                self.metrics.cached_prompt_tokens += cached
-            self.running.append(seq)
-            rows.append((seq, n))
-            budget -= n
-        return rows
+    def _preempted(self, seq: _Seq) -> None:
+        self.runner.release(seq.seq_id)
+        self.metrics.preemptions += 1
 
     # ------------------------------------------------------------------ the step
 
@@ -450,9 +411,11 @@ class Engine:
             The news of every request that produced text or finished.
         """
         t0 = time.perf_counter()
-        rows = self._schedule()
+        scheduled = self.scheduler.schedule()
+        rows = scheduled.rows
         if not rows:
             return self._collect()
+        self.pool.storage.copy_blocks(scheduled.copies)
         try:  # one flat forward of every row's tokens
             logits = self.runner.run([(seq.seq_id, n) for seq, n in rows]).float()  # [R, V]
         except Exception as e:  # the step's requests fail; the engine goes on

@@ -1,0 +1,140 @@
+"""The scheduler: which tokens of which requests run in the next step (torch-free).
+
+Iteration-level scheduling (Yu et al., 2022, "Orca"): each :meth:`Scheduler.schedule`
+builds one step under a token budget: first one token for every decoding sequence,
+then chunks of prompts still being prefilled (chunked prefill, Agrawal et al., 2023,
+"Sarathi"), then new requests in arrival order while blocks and budget last. Blocks are
+reserved in the :class:`~attnlab.cache.paged.manager.KVManager`; when it runs out, the
+latest-arrived running sequence is preempted: its blocks are freed and it is recomputed
+later from its tokens, so no sequence is ever corrupted and a step never fails for
+memory. The result says which ``(sequence, new tokens)`` rows run and which blocks the
+storage must copy first (copy-on-write), as vLLM's ``SchedulerOutput`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnlab.cache.paged.manager import KVManager, OutOfBlocks
+
+__all__ = ["ScheduledStep", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledStep:
+    """One step's work.
+
+    Attributes:
+        rows: ``(sequence, new tokens)`` in the order the runner lays them out.
+        copies: ``(source, destination)`` block copies to make before the forward.
+    """
+
+    rows: list[tuple[Any, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Waiting and running sequences, and the choice of each step's tokens.
+
+    A sequence is any object with ``seq_id``, ``tokens`` (its known token ids),
+    ``index`` (its choice index), ``request.order`` (arrival) and ``in_pool``.
+
+    Args:
+        manager: the KV manager whose blocks the sequences hold.
+        max_num_seqs: the most sequences running at once.
+        max_num_batched_tokens: the token budget of a step.
+        on_admit: called with ``(sequence, cached tokens)`` when a sequence enters.
+        on_preempt: called with a sequence that lost its blocks (before it waits again).
+    """
+
+    def __init__(
+        self,
+        manager: KVManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        on_admit: Callable[[Any, int], None] | None = None,
+        on_preempt: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.waiting: deque[Any] = deque()
+        self.running: list[Any] = []
+        self.preemptions = 0
+        self._on_admit = on_admit
+        self._on_preempt = on_preempt
+
+    def _preempt(self, step: ScheduledStep) -> Any:
+        """Free the lowest-priority (latest-arrived) running sequence; recompute it later."""
+        victim = max(self.running, key=lambda s: (s.request.order, s.index))
+        self.running.remove(victim)
+        self.manager.free(victim.seq_id)
+        victim.in_pool = False
+        if self._on_preempt is not None:
+            self._on_preempt(victim)
+        self.waiting.appendleft(victim)
+        step.rows[:] = [r for r in step.rows if r[0] is not victim]
+        self.preemptions += 1
+        log.debug("preempted sequence %s", victim.seq_id)
+        return victim
+
+    def schedule(self) -> ScheduledStep:
+        """The next step: decode tokens, then prefill chunks, then new sequences."""
+        step = ScheduledStep()
+        budget = self._running_rows(step, self.max_num_batched_tokens)
+        self._admit(step, budget)
+        return step
+
+    def _running_rows(self, step: ScheduledStep, budget: int) -> int:
+        m = self.manager
+        pending = {
+            s.seq_id: m.num_tokens(s.seq_id) - m.num_computed(s.seq_id) for s in self.running
+        }
+        # decode tokens first, then prefill chunks, each in arrival order
+        order = sorted(
+            self.running, key=lambda s: (pending[s.seq_id] > 1, s.request.order, s.index)
+        )
+        for seq in order:
+            if seq not in self.running or budget <= 0:
+                continue
+            n = min(pending[seq.seq_id], budget)
+            while True:
+                try:
+                    step.copies += m.reserve(seq.seq_id, n)
+                    step.rows.append((seq, n))
+                    budget -= n
+                    break
+                except OutOfBlocks:
+                    if self._preempt(step) is seq:
+                        break
+        return budget
+
+    def _admit(self, step: ScheduledStep, budget: int) -> None:
+        m = self.manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = m.add_sequence(seq.seq_id, seq.tokens)
+            n = min(len(seq.tokens) - cached, budget)
+            spare = len(self.running)  # a block of room for each running sequence to grow
+            if m.blocks_needed(seq.seq_id, n) + spare > m.num_free_blocks and self.running:
+                m.free(seq.seq_id)
+                break
+            try:
+                step.copies += m.reserve(seq.seq_id, n)
+            except OutOfBlocks:
+                m.free(seq.seq_id)
+                break
+            self.waiting.popleft()
+            seq.in_pool = True
+            if self._on_admit is not None:
+                self._on_admit(seq, cached)
+            self.running.append(seq)
+            step.rows.append((seq, n))
+            budget -= n
