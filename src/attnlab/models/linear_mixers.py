@@ -8,7 +8,9 @@
 * ``"gla"``: gated linear attention (Yang et al., 2024);
 * ``"rglru"``: Griffin's recurrent block (De et al., 2024), RecurrentGemma's layout;
 * ``"short_conv"``: LFM2's gated short convolution;
-* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual.
+* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual;
+* ``"gated_attention"``: the decoder's attention with a sigmoid output gate (Qwen3-Next's
+  full-attention layers; it uses the decoder's KV caches).
 
 Each carries a fixed-size state from :mod:`attnlab.cache.linear_state` in the model's one
 :class:`~attnlab.cache.base.ModelCache`, beside attention layers' KV caches in a hybrid.
@@ -30,8 +32,10 @@ from attnlab.cache.linear_state import (
 )
 from attnlab.cache.recurrent import RecurrentState
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.mixers import Mixer, MixerParts, StateMixer, register_mixer
+from attnlab.models.mixers import Mixer, MixerParts, StateMixer, _attention, register_mixer
+from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.delta_net import GatedDeltaNet
+from attnlab.modules.gated_attention import OutputGatedAttention
 from attnlab.modules.gla import GatedLinearAttention
 from attnlab.modules.rglru import GatedShortConv, RecurrentBlock
 from attnlab.modules.rwkv7 import RWKV7TimeMix
@@ -140,6 +144,18 @@ def _rwkv7(config: DecoderConfig, parts: MixerParts) -> nn.Module:
             chunk_size=s.chunk_size,
         )
     )
+
+
+def _gated_attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    inner = _attention(config, parts)
+    assert isinstance(inner, MultiHeadAttention) and config.head_dim is not None
+    width = config.num_attention_heads * config.head_dim
+    return OutputGatedAttention(
+        attention=inner, gate_proj=nn.Linear(config.hidden_size, width, bias=False)
+    )
+
+
+register_mixer(Mixer(name="gated_attention", build=_gated_attention))
 
 
 def _state_factory(state: type[RecurrentState]) -> Callable[[DecoderConfig, str, int], Any]:
