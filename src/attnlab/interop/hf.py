@@ -122,6 +122,7 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        phi3,
         qwen,
         qwen3_next,
         recurrent_gemma,
