@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import _first, add_tied_head, claims, drop_tied_head, rope_from_hf
+from attnlab.interop.llama import _first, add_tied_head, claims, rope_from_hf
 from attnlab.interop.moe import fuse_experts
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
