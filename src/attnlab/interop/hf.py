@@ -113,6 +113,7 @@ def register_converter(conv: Converter) -> Converter:
 
 def _ensure_registered() -> None:
     from attnlab.interop import (  # noqa: F401  (registers)
+        bamba,
         bert,
         bloom,
         gemma,
