@@ -122,7 +122,9 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        phi3,
         qwen,
+        recurrent_gemma,
         ssm,
         t5,
     )
