@@ -144,7 +144,9 @@ def _cpu_flags() -> str:
     except OSError:
         return "unknown"
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in line]
+    keep = [
+        f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in line
+    ]
     return " ".join(keep) or "no AVX2"
 
 
