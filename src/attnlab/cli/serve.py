@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 
-from attnlab.cli._common import port_number, positive_int
+from attnlab.cli._common import port_number, positive_int, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +31,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="model id (default: folder name)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks in the pool")
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens per paged KV-cache block (default 16)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV-cache blocks in the pool, each of --block-size tokens for every layer "
+        "(default: enough for --max-num-seqs sequences of half the context, at most 1 GiB)",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
         "--max-batched-tokens", type=positive_int, default=512, help="token budget per step"
@@ -40,7 +52,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-waiting", type=positive_int, default=256, help="queued requests before 429"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout once listening: url, model, KV blocks",
+    )
     p.set_defaults(func=run)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound before the model loads.
+
+    Raises:
+        OSError: the port is in use or the address cannot be bound; the message names
+            ``--host``/``--port`` (``attnlab serve: error: ...``, exit status 1).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(e.errno, f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"--port {port} on {host} cannot be bound: {e.strerror}") from None
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
     engine, name = load_engine(
         args.model_dir,
         block_size=args.block_size,
@@ -68,12 +109,18 @@ def run(args: argparse.Namespace) -> int:
     )
     name = args.served_model_name or name
     app = build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key)
+    url = f"http://{args.host}:{args.port}/v1"
+    blocks, size = engine.pool.num_blocks, engine.pool.block_size
+    if args.json:
+        print_json({"url": url, "model": name, "kv_blocks": blocks, "block_size": size})
+        sys.stdout.flush()
     print(
-        f"serving {name} on http://{args.host}:{args.port}/v1 "
-        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens)",
+        f"serving {name} on {url} ({blocks} KV blocks of {size} tokens)",
         file=sys.stderr,
         flush=True,
     )
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -18,7 +18,28 @@ from torch import Tensor
 
 from attnlab.errors import ModelFileError
 
-__all__ = ["load_safetensors_dir", "read_config", "read_json_object"]
+__all__ = ["check_model_folder", "load_safetensors_dir", "read_config", "read_json_object"]
+
+
+def check_model_folder(folder: str | Path) -> Path:
+    """``folder`` as a Path if it is an existing folder, else raise naming it.
+
+    The one check of a model folder's existence, for every entry that takes one
+    (``from_hf``, ``load_embedding_model``, the serving engine, every command's
+    ``--model``), so a missing folder is the same error, and the same exit status (1),
+    everywhere.
+
+    Raises:
+        ModelFileError: ``folder`` does not exist or is not a folder.
+    """
+    path = Path(folder)
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a folder"
+        raise ModelFileError(
+            f"{path} {what}; pass a local model folder (config.json + safetensors)"
+        )
+    return path
+
 
 # A safetensors header larger than this is not one attnlab wrote or can trust.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024

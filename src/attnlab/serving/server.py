@@ -22,13 +22,14 @@ def load_engine(model_dir: str | Path, **engine_kwargs: Any) -> tuple[Engine, st
             attnlab cannot serve (an encoder, an encoder-decoder).
     """
     import attnlab
+    from attnlab.errors import ModelFileError
+    from attnlab.interop.checkpoints import check_model_folder, read_config
     from attnlab.interop.hf import require_transformers
 
-    folder = Path(model_dir)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} is not a model folder (no config.json)")
+    folder = check_model_folder(model_dir)
+    read_config(folder)  # a missing or malformed config.json, named
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"{folder} has no tokenizer files (tokenizer.json)")
+        raise ModelFileError(f"{folder} has no tokenizer files (tokenizer.json)")
     tf = require_transformers()
     tf.utils.logging.disable_progress_bar()
     tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
