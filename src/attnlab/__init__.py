@@ -7,7 +7,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "embed", "from_hf", "load_embedding_model", "to_hf"]
+__all__ = [
+    "__version__",
+    "embed",
+    "from_gguf",
+    "from_hf",
+    "load_embedding_model",
+    "to_gguf",
+    "to_hf",
+]
 
 
 def from_hf(model_or_local_dir: Any) -> Any:
@@ -20,6 +28,16 @@ def from_hf(model_or_local_dir: Any) -> Any:
     return _from_hf(model_or_local_dir)
 
 
+def from_gguf(path: Any, **kwargs: Any) -> Any:
+    """Load a GGUF file (llama.cpp's format) as a :class:`~attnlab.models.DecoderLM`.
+
+    See :func:`attnlab.interop.gguf.from_gguf` (keywords ``dtype``, ``tokenizer``, ``progress``).
+    """
+    from attnlab.interop.gguf import from_gguf as _from_gguf
+
+    return _from_gguf(path, **kwargs)
+
+
 def to_hf(model: Any) -> Any:
     """Convert an attnlab model to the ``transformers`` model with the same weights.
 
@@ -28,6 +46,17 @@ def to_hf(model: Any) -> Any:
     from attnlab.interop.hf import to_hf as _to_hf
 
     return _to_hf(model)
+
+
+def to_gguf(model: Any, path: Any, **kwargs: Any) -> Any:
+    """Write a Llama-architecture :class:`~attnlab.models.DecoderLM` as a GGUF file.
+
+    See :func:`attnlab.interop.gguf_writer.to_gguf` (keywords ``dtype`` = ``"f32"``,
+    ``"f16"`` or ``"q8_0"``, ``name``, ``tokenizer``).
+    """
+    from attnlab.interop.gguf_writer import to_gguf as _to_gguf
+
+    return _to_gguf(model, path, **kwargs)
 
 
 def load_embedding_model(model: Any = None) -> Any:

@@ -150,3 +150,18 @@ def test_gqa_quick_run_orders_layouts_as_published(tmp_path: Path) -> None:
         assert row["uptrained_bpb"] > 0.98 * mha["uptrained_bpb"]
     assert grouped[-1]["layout"] == "MQA"
     assert grouped[-1]["uptrained_bpb"] >= grouped[0]["uptrained_bpb"]  # MQA no better than GQA-4
+
+
+def test_recall_builds_the_linear_kinds_and_judges_the_delta_rule_against_mamba() -> None:
+    from attnlab.experiments import recall
+
+    ids = torch.randint(0, 32, (2, 16))
+    for kind in recall.LINEAR_KINDS:
+        model = recall.build(kind, 32, 32, 16)
+        assert model(input_ids=ids).logits.shape == (2, 16, 32)
+    s = {"widths": (64,), "pairs": 8, "steps": 10}
+    ahead = {"attention": {64: 1.0}, "mamba": {64: 0.2}, "deltanet": {64: 0.9}}
+    assert recall._verdict(ahead, s)[1] is True
+    behind = {**ahead, "gated deltanet": {64: 0.25}}
+    verdict, agrees = recall._verdict(behind, s)
+    assert agrees is False and "do not all recall" in verdict

@@ -9,6 +9,7 @@ folder path needs only ``safetensors``, not ``transformers``.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +208,13 @@ def _assemble(
     strict_extra: bool,
     error: type[ValueError] = ValueError,
     config_file: str | None = None,
+    assign: bool = False,
 ) -> nn.Module:
+    """Build ``conv``'s model from a config dict and transformers-named weights.
+
+    ``assign=True`` builds without random initialisation and makes ``weights`` (cast to
+    one float dtype) the model's parameters: for weights nobody else holds (a GGUF load).
+    """
     if prefix:
         weights = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in weights.items()}
     try:
@@ -224,7 +231,7 @@ def _assemble(
             weights = conv.weights_from_hf(weights, config)
         except KeyError as e:
             raise error(f"{source}: weight {e.args[0]!r} is missing") from None
-    model = conv.build(config)
+    model = _build_empty(conv, config) if assign else conv.build(config)
     mapping = conv.key_map(model)
     own = model.state_dict()
     state: dict[str, Tensor] = {}
@@ -250,8 +257,63 @@ def _assemble(
         log.warning("%s: ignoring weights outside the converted model: %s", source, extra)
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model.to(dtype)
-    model.load_state_dict(state, strict=True)
+    if assign:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=assign)
     return model.eval()
+
+
+_EMPTY_LOCK = threading.Lock()
+
+
+def _build_empty(conv: Converter, config: Any) -> nn.Module:
+    """``conv.build(config)`` with its parameters on the meta device (no random init).
+
+    Parameters are moved to ``meta`` as modules register them and ``torch.nn.init``'s
+    initialisers do nothing meanwhile (as transformers' ``no_init_weights`` and
+    accelerate's ``init_empty_weights`` do); buffers (RoPE frequencies) are built as
+    usual. Every parameter must then be assigned by ``load_state_dict(..., assign=True)``
+    (``strict=True`` checks it).
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        if param is not None:
+            self._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    def skip(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return tensor
+
+    init = torch.nn.init
+    with _EMPTY_LOCK:
+        saved = {name: getattr(init, name) for name in _INITIALISERS}
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        for name in _INITIALISERS:
+            setattr(init, name, skip)
+        try:
+            return conv.build(config)
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+            for name, fn in saved.items():
+                setattr(init, name, fn)
+
+
+_INITIALISERS = (
+    "normal_",
+    "uniform_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "orthogonal_",
+    "ones_",
+    "zeros_",
+    "constant_",
+)
 
 
 def _is_buffer_key(key: str) -> bool:

@@ -216,6 +216,10 @@ class DecoderLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
         )
         self.dropout = nn.Dropout(config.hidden_dropout)
+        #: set by loaders that find them beside the weights (``attnlab.from_gguf``): a
+        #: transformers tokenizer, and generation defaults under transformers' names
+        self.tokenizer: Any = None
+        self.generation_config: dict[str, Any] = {}
 
     def num_parameters(self) -> int:
         """Number of parameters (tied matrices counted once)."""
