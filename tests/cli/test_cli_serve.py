@@ -1,4 +1,5 @@
-"""``attnlab serve``: user errors are one line on stderr with exit 2, never a traceback."""
+"""``attnlab serve``: user errors are one line on stderr, never a traceback: exit 2 for a
+malformed argument, 1 for a folder that holds no model (as for every command)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from attnlab.cli.main import main
 def test_serve_rejects_a_folder_without_a_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["serve", str(tmp_path)]) == 2
+    assert main(["serve", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no config.json" in err
 

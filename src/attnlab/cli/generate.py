@@ -154,11 +154,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = random_model(args.random, args.seed)
         tokenizer = _Bytes()
-        print(
-            f"note: --random {args.random} is an untrained model with random weights "
-            f"(seed {args.seed}): its output is noise, useful to try the command only",
-            file=sys.stderr,
-        )
     if args.ids is not None:
         prompt = list(args.ids)
     elif args.prompt is not None:
@@ -178,6 +173,12 @@ def run(args: argparse.Namespace) -> int:
     if max(prompt) >= vocab:
         raise ValueError(
             f"--ids: token id {max(prompt)} is outside the model's vocabulary [0, {vocab})"
+        )
+    if args.random is not None:  # said once the arguments are known to be good
+        print(
+            f"note: --random {args.random} is an untrained model with random weights "
+            f"(seed {args.seed}): its output is noise, useful to try the command only",
+            file=sys.stderr,
         )
     eos = args.eos if args.eos is not None else getattr(model.config, "eos_token_id", None)
     generator = torch.Generator().manual_seed(args.seed)

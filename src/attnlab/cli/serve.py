@@ -98,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from attnlab.interop.checkpoints import check_model_folder
+
+    check_model_folder(args.model_dir)
     sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
     engine, name = load_engine(
         args.model_dir,

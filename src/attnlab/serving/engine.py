@@ -306,6 +306,16 @@ class Engine:
         req.seqs.append(seq)
         return seq
 
+    def gauges(self) -> dict[str, float]:
+        """The gauges of ``/metrics`` as they are now (not as of the last step)."""
+        used = self.pool.num_used_blocks
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "blocks_used": used,
+            "waste": self.metrics.waste if used else 0.0,
+        }
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False for an unknown/finished id."""
         req = self.requests.pop(request_id, None)

@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from attnlab.serving.async_engine import AsyncEngine
@@ -58,6 +58,49 @@ def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], defa
     return value
 
 
+def _unpaired_surrogate(body: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``body`` holding a lone
+    UTF-16 surrogate (``"\\ud800"``, which JSON can escape but UTF-8 cannot encode), or None.
+    Iterative: a parsed body can be nested as deep as the parser allows."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((f"{path}.{k}" if path else str(k), v))
+                if isinstance(k, str) and _unpaired_surrogate(k) is not None:
+                    return path or "body"
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def _stream_options(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: an object with a boolean, or absent."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise APIError(
+            400,
+            f'stream_options must be an object such as {{"include_usage": true}}, got {opts!r}',
+            param="stream_options",
+        )
+    usage = opts.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise APIError(
+            400,
+            f"stream_options.include_usage must be true or false, got {usage!r}",
+            param="stream_options.include_usage",
+        )
+    return usage
+
+
 def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     max_tokens = _field(body, "max_tokens", int, None)
     if chat:
@@ -92,6 +135,29 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         )
     except ParamError as e:
         raise APIError(400, str(e), param=e.param) from None
+
+
+class _BearerAuth:
+    """``Authorization: Bearer KEY`` on ``/v1/``, as plain ASGI middleware.
+
+    Not ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` wraps ``receive``,
+    and behind it ``request.is_disconnected()`` never saw a client leave, so a
+    non-streaming request whose client hung up generated all its tokens.
+    """
+
+    def __init__(self, app: Any, *, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if given != self.expected:
+                from fastapi.responses import JSONResponse
+
+                err = APIError(401, "invalid API key", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
@@ -145,16 +211,8 @@ def build_app(
     async def _api_error(request: Request, exc: APIError) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def _auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        if api_key is not None and path.startswith("/v1/"):  # noqa: SIM102
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = APIError(401, "invalid API key", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -173,6 +231,7 @@ def build_app(
         text = eng.metrics.prometheus(
             cache_hit_rate=a.hits / a.queries if a.queries else 0.0,
             blocks_free=eng.pool.num_free_blocks,
+            live=eng.gauges(),
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -181,8 +240,17 @@ def build_app(
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply to parse") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        bad = _unpaired_surrogate(body)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"{bad} holds an unpaired UTF-16 surrogate (such as \\ud800): not text",
+                param=bad,
+            )
         model = body.get("model")
         if model != model_name:
             raise APIError(
@@ -335,7 +403,7 @@ def build_app(
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         stream = _field(body, "stream", bool, False)
-        usage_opt = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage_opt = _stream_options(body)
         base = {
             "id": rid,
             "object": "text_completion",
@@ -418,7 +486,7 @@ def build_app(
         _check(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = _field(body, "stream", bool, False)
-        usage_opt = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage_opt = _stream_options(body)
         base = {
             "id": rid,
             "object": "chat.completion",
