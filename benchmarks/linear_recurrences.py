@@ -44,6 +44,7 @@ from attnlab.cache.base import KVCache
 from attnlab.functional.delta_rule import delta_rule_chunked, delta_rule_reference
 from attnlab.functional.gla import gla_chunked, gla_reference
 from attnlab.functional.rglru import linear_recurrence_reference, linear_recurrence_scan
+from attnlab.functional.rwkv7 import rwkv7_chunked, rwkv7_reference
 from attnlab.functional.short_conv import short_conv, short_conv_reference
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
@@ -58,6 +59,7 @@ NEW_MIXERS = {
     "GLA": "gla",
     "RG-LRU (Griffin block)": "rglru",
     "Gated short conv (LFM2)": "short_conv",
+    "RWKV-7 (time mix)": "rwkv7",
 }
 
 
@@ -86,6 +88,8 @@ def part_forms(rounds: int, length: int, channels: int) -> list[str]:
         "gla chunked": _fwd_bwd(gla_chunked, [q, k, v, gk]),
         "lru step": _fwd_bwd(linear_recurrence_reference, [a, u]),
         "lru scan": _fwd_bwd(linear_recurrence_scan, [a, u]),
+        "rwkv7 step": _fwd_bwd(rwkv7_reference, [q, k, v, -k, k * beta[..., None], gk]),
+        "rwkv7 chunked": _fwd_bwd(rwkv7_chunked, [q, k, v, -k, k * beta[..., None], gk]),
         "conv step": _fwd_bwd(short_conv_reference, [u, w]),
         "conv parallel": _fwd_bwd(short_conv, [u, w]),
     }
@@ -116,6 +120,11 @@ def part_forms(rounds: int, length: int, channels: int) -> list[str]:
         ("DeltaNet delta rule, H = 4, K = V = 64, chunk 64", "delta step", "delta chunked"),
         ("Gated delta rule, H = 4, K = V = 64, chunk 64", "gdn step", "gdn chunked"),
         ("GLA, H = 4, K = V = 64, chunk 64 (sub-chunks of 16)", "gla step", "gla chunked"),
+        (
+            "RWKV-7 generalized delta rule, H = 4, K = V = 64, chunk 64",
+            "rwkv7 step",
+            "rwkv7 chunked",
+        ),
         (f"RG-LRU recurrence, D = {channels}, chunk 64", "lru step", "lru scan"),
         (f"short convolution, D = {channels}, K = 3", "conv step", "conv parallel"),
     ]

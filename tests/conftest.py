@@ -63,3 +63,44 @@ def smollm2(smollm2_file: Path) -> torch.nn.Module:
     import attnlab
 
     return attnlab.from_gguf(smollm2_file)
+
+
+CHATML = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are tiny.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama saved as transformers does, with a byte-level BPE tokenizer and
+    SmolLM2's kind of ChatML template (several turns, a default system turn)."""
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    import attnlab
+    from attnlab.models.decoder import DecoderLM
+    from attnlab.models.decoder_config import DecoderConfig
+
+    folder = tmp_path_factory.mktemp("chat_model")
+    import sysconfig
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")
+    bpe = ByteLevelBPETokenizer()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe.train_from_iterator([text], vocab_size=320, min_frequency=2, special_tokens=special)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tok.chat_template = CHATML
+    torch.manual_seed(0)
+    cfg = DecoderConfig.llama(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    attnlab.to_hf(DecoderLM(cfg).eval()).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -13,6 +13,7 @@ __all__ = [
     "from_gguf",
     "from_hf",
     "load_embedding_model",
+    "supported_architectures",
     "to_gguf",
     "to_hf",
 ]
@@ -26,6 +27,16 @@ def from_hf(model_or_local_dir: Any) -> Any:
     from attnlab.interop.hf import from_hf as _from_hf
 
     return _from_hf(model_or_local_dir)
+
+
+def supported_architectures() -> list[str]:
+    """The transformers ``model_type`` names :func:`from_hf` converts (sorted).
+
+    See :func:`attnlab.interop.hf.supported_architectures`.
+    """
+    from attnlab.interop.hf import supported_architectures as _supported
+
+    return _supported()
 
 
 def from_gguf(path: Any, **kwargs: Any) -> Any:

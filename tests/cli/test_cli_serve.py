@@ -3,6 +3,7 @@ malformed argument, 1 for a folder that holds no model (as for every command).""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,13 @@ from attnlab.cli.main import main
 def test_serve_rejects_a_folder_without_a_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["serve", str(tmp_path)]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "no config.json" in err
+    with socket.socket() as s:  # a free port: serve binds it before loading the model
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", str(tmp_path), "--port", str(port)]) == 1  # ModelFileError
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("loading ") and len(lines) == 2  # what it loads, then one error
+    assert lines[1].startswith("attnlab serve: error:") and "no config.json" in lines[1]
 
 
 @pytest.mark.parametrize(

@@ -203,6 +203,8 @@ def _json_cases(tmp: Path) -> dict[str, list[list[str]]]:
 NO_JSON = {
     "serve": "runs a server in the foreground; its --json startup object is checked in "
     "tests/serving/test_server_faults.py",
+    "finetune": "needs a pretrained model folder and chat data; tests/cli/test_cli_finetune.py "
+    "parses its --json report",
     "experiment": "trains models for minutes; its strict results.json is checked in tests/experiments",
 }
 

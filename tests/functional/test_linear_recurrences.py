@@ -1,5 +1,6 @@
-"""The delta rule (DeltaNet, Gated DeltaNet), GLA, the RG-LRU's linear recurrence and the
-short convolution: every form equals the reference, forward and backward, at every length.
+"""The delta rule (DeltaNet, Gated DeltaNet), GLA, RWKV-7's generalized delta rule, the
+RG-LRU's linear recurrence and the short convolution: every form equals the reference,
+forward and backward, at every length.
 
 Shapes, chunk sizes (including ones that do not divide the length, and length 1), masks
 and initial states are drawn by hypothesis; float64 must agree to 1e-10 and float32 to
@@ -23,6 +24,7 @@ from attnlab.functional.rglru import (
     linear_recurrence_scan,
     rglru_coefficients,
 )
+from attnlab.functional.rwkv7 import rwkv7_chunked, rwkv7_reference, rwkv7_step
 from attnlab.functional.short_conv import short_conv, short_conv_reference, short_conv_step
 
 TOL = {
@@ -319,3 +321,58 @@ def test_short_conv_forms_agree(l: int, k: int) -> None:
         yt, state = short_conv_step(x[:, t], w, bias, state)
         torch.testing.assert_close(yt, y_ref[:, t], **TOL[F64])
     torch.testing.assert_close(state, s_ref, **TOL[F64])
+
+
+# ---------------------------------------------------------------------- RWKV-7
+
+
+def _rwkv7_inputs(c: dict, g: torch.Generator):
+    q, k, v, s0, mask = _qkv(c, g)
+    kappa = F.normalize(torch.randn(q.shape, generator=g, dtype=c["dtype"]), dim=-1)
+    a_gate = torch.rand(q.shape, generator=g, dtype=c["dtype"])
+    gk = -torch.rand(q.shape, generator=g, dtype=c["dtype"]) * (8.0 if c["gated"] else 0.6)
+    return [q, k, v, -kappa, kappa * a_gate, gk], s0, mask
+
+
+@SETTINGS
+@given(case())
+def test_rwkv7_chunked_equals_reference(c: dict) -> None:
+    g = torch.Generator().manual_seed(c["seed"])
+    inputs, s0, mask = _rwkv7_inputs(c, g)
+
+    def ref(*xs):
+        return rwkv7_reference(*xs, state=s0, mask=mask)
+
+    def fast(*xs):
+        return rwkv7_chunked(*xs, state=s0, mask=mask, chunk_size=c["chunk"])
+
+    _assert_forms_equal(ref, fast, inputs, c["dtype"], g)
+
+
+def test_rwkv7_reference_is_the_papers_update() -> None:
+    """Peng et al. (2025) eq. 3-5 on ``wkv [V, K]``: ``wkv_t = wkv_{t-1} (diag(w_t) -
+    kappa_t^T (a_t kappa_t)) + v_t^T k_t``, ``o_t = wkv_t r_t``, one head at a time."""
+    g = torch.Generator().manual_seed(4)
+    b, h, l, dk, dv = 1, 2, 9, 4, 3
+    r, k = (torch.randn(b, h, l, dk, generator=g, dtype=F64) for _ in range(2))
+    v = torch.randn(b, h, l, dv, generator=g, dtype=F64)
+    kappa = F.normalize(torch.randn(b, h, l, dk, generator=g, dtype=F64), dim=-1)
+    a_gate = torch.rand(b, h, l, dk, generator=g, dtype=F64)
+    w = torch.rand(b, h, l, dk, generator=g, dtype=F64) * 0.5 + 0.5
+    s0 = torch.randn(b, h, dk, dv, generator=g, dtype=F64)
+    want = torch.zeros(b, h, l, dv, dtype=F64)
+    for hi in range(h):
+        wkv = s0[0, hi].T.clone()
+        for t in range(l):
+            kap, at = kappa[0, hi, t], a_gate[0, hi, t]
+            trans = torch.diag(w[0, hi, t]) - torch.outer(kap, at * kap)
+            wkv = wkv @ trans + torch.outer(v[0, hi, t], k[0, hi, t])
+            want[0, hi, t] = wkv @ r[0, hi, t]
+    o, s = rwkv7_reference(r, k, v, -kappa, kappa * a_gate, w.log(), state=s0)
+    torch.testing.assert_close(o, want, **TOL[F64])
+    state = s0
+    for t in range(l):
+        args = (x[:, :, t] for x in (r, k, v, -kappa, kappa * a_gate, w.log()))
+        ot, state = rwkv7_step(*args, state)
+        torch.testing.assert_close(ot, o[:, :, t], **TOL[F64])
+    torch.testing.assert_close(state, s, **TOL[F64])

@@ -9,7 +9,13 @@ import torch
 
 from attnlab.cache.base import LayerCache
 from attnlab.cache.kv_cache import DynamicKVCache
-from attnlab.cache.linear_state import DeltaNetState, GLAState, RGLRUState, ShortConvState
+from attnlab.cache.linear_state import (
+    DeltaNetState,
+    GLAState,
+    RGLRUState,
+    RWKV7State,
+    ShortConvState,
+)
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
@@ -21,6 +27,7 @@ STATES = {
     "gla": GLAState,
     "rglru": RGLRUState,
     "short_conv": ShortConvState,
+    "rwkv7": RWKV7State,
 }
 
 

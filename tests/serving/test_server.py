@@ -111,7 +111,6 @@ def test_seeded_n2_sampling_is_reproducible_and_chat_works(
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": "two"}, "n"),
-        ({"model": "gpt-9"}, "model"),
         ({"prompt": "word " * 400}, "prompt"),
         ({"prompt": 5}, "prompt"),
     ],
@@ -127,6 +126,15 @@ def test_bad_requests_get_400_naming_the_field(
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_an_unknown_model_gets_404_model_not_found(server: BackgroundServer) -> None:
+    body = {"model": "gpt-9", "prompt": "hi", "max_tokens": 4}
+    r = httpx.post(
+        f"{server.base_url}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["param"] == "model" and err["code"] == "model_not_found"
 
 
 def test_auth_json_health_and_metrics(server: BackgroundServer) -> None:

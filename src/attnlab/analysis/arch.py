@@ -255,6 +255,13 @@ def _decoder(config: Any) -> ArchSpec:
             f"pure state-space models); this layout mixes {mixers} layers, a hybrid it does "
             "not estimate"
         )
+    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+    if len(windows) > 1:
+        raise ValueError(
+            "the cost model costs uniform attention layers; this layout mixes windows "
+            f"{sorted(windows, key=lambda w: (w is not None, w or 0))} (None: global) across "
+            "its layers (Gemma, windowed Qwen), which it does not estimate yet"
+        )
     pos = config.position_embedding
     out_bias = config.attention_out_bias
     return ArchSpec(
@@ -286,15 +293,21 @@ def _decoder(config: Any) -> ArchSpec:
         attention_dropout=config.attention_dropout,
         hidden_dropout=config.hidden_dropout,
         moe=_moe_spec(config),
-        # QK-norm (OLMoE): one RMSNorm weight per query and key channel in every layer
-        extra_parameters=(
-            config.num_hidden_layers
-            * (config.num_attention_heads + config.num_key_value_heads)
-            * config.head_dim
-            if getattr(config, "qk_norm", False)
-            else 0
-        ),
+        extra_parameters=_extra_norm_parameters(config),
     )
+
+
+def _extra_norm_parameters(config: Any) -> int:
+    """Norm weights beyond one per sublayer: QK-norm (per channel of the projection, OLMoE;
+    or per head feature, shared by the heads, Qwen3) and the sandwich's two output norms
+    (Gemma 2 and 3)."""
+    n, d = config.num_hidden_layers, config.hidden_size
+    qk = 0
+    if config.qk_norm:
+        heads = config.num_attention_heads + config.num_key_value_heads
+        qk = 2 * config.head_dim if config.qk_norm_scope == "head" else heads * config.head_dim
+    sandwich = 2 * d if config.norm_placement == "sandwich" else 0
+    return n * (qk + sandwich)
 
 
 def _moe_spec(config: Any) -> MoESpec | None:

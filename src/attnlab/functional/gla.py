@@ -128,27 +128,36 @@ def gla_reference(
     return o, s
 
 
-def _intra_chunk_scores(qc: Tensor, kc: Tensor, bc: Tensor) -> Tensor:
-    """``A [.., T, T]``: ``sum_d q_id k_jd e^{b_id - b_jd}`` for ``j <= i``, 0 above.
+def intra_chunk_scores(
+    qc: Tensor, kc: Tensor, b_row: Tensor, b_col: Tensor | None = None, *, strict: bool = False
+) -> Tensor:
+    """``A [.., T, T]``: ``sum_d q_id k_jd e^{b_row_id - b_col_jd}`` for ``j <= i`` (``j < i``
+    when ``strict``), 0 elsewhere.
 
-    ``qc, kc, bc [B, H, nc, T, K]`` (``bc``: log decay from the chunk's start, inclusive).
+    ``qc, kc, b_row, b_col [B, H, nc, T, K]``: log decays from the chunk's start, with
+    ``b_row_i <= b_col_j`` wherever the score is kept (GLA: ``b_row = b_col``, inclusive;
+    the generalized delta rule also reads the decay up to the token before). Shared with
+    :mod:`attnlab.functional.rwkv7`.
     """
+    b_col = b_row if b_col is None else b_col
     *lead, T, dk = qc.shape
     C = SUB_CHUNK if T % SUB_CHUNK == 0 else T
     n = T // C
-    qs, ks, bs = (x.reshape(*lead, n, C, dk) for x in (qc, kc, bc))
-    # diagonal sub-chunks, exact: e^{b_i - b_j} per dimension, j <= i
-    upper = torch.ones(C, C, dtype=torch.bool, device=qc.device).triu(1)
-    diff = (bs[..., :, None, :] - bs[..., None, :, :]).masked_fill(upper[..., None], float("-inf"))
+    qs, ks, rs, cs = (x.reshape(*lead, n, C, dk) for x in (qc, kc, b_row, b_col))
+    # diagonal sub-chunks, exact: e^{b_i - b_j} per dimension
+    drop = torch.ones(C, C, dtype=torch.bool, device=qc.device).triu(0 if strict else 1)
+    diff = (rs[..., :, None, :] - cs[..., None, :, :]).masked_fill(drop[..., None], float("-inf"))
     diag = (qs[..., :, None, :] * diff.exp() * ks[..., None, :, :]).sum(-1)  # [.., n, C, C]
     eye = torch.eye(n, dtype=qc.dtype, device=qc.device)[:, None, :, None]
     scores = (diag[..., :, :, None, :] * eye).reshape(*lead, n, C, T)  # row block I, all columns
     if n > 1:
-        # sub-chunks J < I through r_I, the log decay at the last token before sub-chunk I
-        ref = torch.cat((torch.zeros_like(bs[..., :1, -1, :]), bs[..., :-1, -1, :]), dim=-2)
-        q_til = qs * (bs - ref[..., None, :]).exp()  # [.., n, C, K], exponents <= 0
+        # sub-chunks J < I through r_I, the column decay at the last token before sub-chunk I
+        ref = torch.cat((torch.zeros_like(cs[..., :1, -1, :]), cs[..., :-1, -1, :]), dim=-2)
+        q_til = qs * (rs - ref[..., None, :]).clamp(max=0).exp()  # [.., n, C, K], exponents <= 0
         # exponents r_I - b_j <= 0 for j before sub-chunk I; clamped where masked below
-        k_til = kc[..., None, :, :] * (ref[..., None, :] - bc[..., None, :, :]).clamp(max=0).exp()
+        k_til = (
+            kc[..., None, :, :] * (ref[..., None, :] - b_col[..., None, :, :]).clamp(max=0).exp()
+        )
         off = torch.einsum("...nik,...njk->...nij", q_til, k_til)  # [.., n, C, T]
         col_block = torch.arange(T, device=qc.device) // C
         before = col_block[None, :] < torch.arange(n, device=qc.device)[:, None]  # [n, T]
@@ -184,7 +193,7 @@ def gla_chunked(
     kc = k.reshape(b, h, nc, T, dk)
     vc = v.reshape(b, h, nc, T, dv)
     bc = gk.reshape(b, h, nc, T, dk).cumsum(-2)  # log decay from the chunk's start
-    inner = _intra_chunk_scores(qc, kc, bc) @ vc  # [B, H, nc, T, V]
+    inner = intra_chunk_scores(qc, kc, bc) @ vc  # [B, H, nc, T, V]
     q_dec = qc * bc.exp()  # reads S_0 decayed to each token
     k_dec = kc * (bc[..., -1:, :] - bc).exp()  # writes decayed to the chunk's end
     chunk_decay = bc[..., -1, :].exp()[..., None]  # [B, H, nc, K, 1]

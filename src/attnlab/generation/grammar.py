@@ -30,10 +30,9 @@ class GrammarError(ValueError):
 
 
 def _llguidance() -> Any:
-    try:
+    try:  # not llguidance.torch: it builds a torch.compile kernel at import (seconds)
         import llguidance
         import llguidance.hf
-        import llguidance.torch
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "structured outputs need llguidance: pip install 'attnlab[grammar]'"
@@ -118,8 +117,10 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
 
     def fill(self, bitmask: Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]``."""
-        _llguidance().torch.fill_next_token_bitmask(self._m, bitmask, row)
+        """Write the allowed next tokens into ``bitmask[row]`` (a contiguous int32 CPU tensor)."""
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        words = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def advance(self, token: int) -> None:
         """Consume the chosen token.
@@ -144,13 +145,11 @@ class GrammarMatcher:
 def fill_bitmask(matchers: list[GrammarMatcher]) -> Tensor:
     """The next-token masks of ``matchers`` as one ``[M, ceil(V/32)]`` int32 bitmask,
     computed by llguidance in parallel outside the GIL."""
-    ll = _llguidance()
     vocab = matchers[0].vocab_size
     bitmask = torch.full((len(matchers), (vocab + 31) // 32), -1, dtype=torch.int32)
-    executor = _executor()
-    ll.torch.fill_next_token_bitmask_par(
-        executor, [(m._m, i) for i, m in enumerate(matchers)], bitmask
-    )
+    rows, words = bitmask.shape
+    pairs = [(m._m, i) for i, m in enumerate(matchers)]
+    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
     return bitmask
 
 

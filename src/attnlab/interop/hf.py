@@ -115,11 +115,14 @@ def _ensure_registered() -> None:
     from attnlab.interop import (  # noqa: F401  (registers)
         bert,
         bloom,
+        gemma,
         gpt2,
         jamba,
+        lfm2,
         llama,
         longformer,
         moe,
+        qwen,
         ssm,
         t5,
     )
@@ -146,7 +149,8 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
 
     Args:
         model_or_local_dir: a ``transformers.PreTrainedModel`` (e.g. ``BertModel``),
-            or the path of a local folder with ``config.json`` and safetensors weights.
+            the path of a local folder with ``config.json`` and safetensors weights, or a
+            ``.gguf`` file (:func:`attnlab.interop.gguf.from_gguf`).
 
     Returns:
         The attnlab model, in eval mode, in the weights' dtype.
@@ -157,7 +161,12 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
         TypeError: anything else.
     """
     if isinstance(model_or_local_dir, str | Path):
-        folder = check_model_folder(model_or_local_dir)
+        folder = Path(model_or_local_dir)
+        if folder.is_file() and folder.suffix.lower() == ".gguf":
+            from attnlab.interop.gguf import from_gguf
+
+            return from_gguf(folder)  # type: ignore[no-any-return]
+        folder = check_model_folder(folder)
         cfg = read_config(folder)
         archs = cfg.get("architectures")
         arch = archs[0] if isinstance(archs, list) and archs else str(cfg["model_type"])

@@ -7,6 +7,7 @@ RoPE settings are read from transformers 5's ``rope_parameters`` (or the older
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -48,30 +49,38 @@ def rope_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return params
 
 
-def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
+def decoder_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`DecoderConfig` fields every Llama-family config spells alike."""
     theta, scaling = rope_from_hf(cfg)
-    window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None
-    return DecoderConfig.llama(
+    heads = cfg["num_attention_heads"]
+    return dict(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         intermediate_size=cfg["intermediate_size"],
         hidden_act=cfg.get("hidden_act", "silu"),
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         rope_theta=theta,
         rope_scaling=scaling,
-        sliding_window=window,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_dropout=cfg.get("attention_dropout", 0.0),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
         pad_token_id=cfg.get("pad_token_id"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=_first(cfg.get("eos_token_id")),
+    )
+
+
+def config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
+    window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None
+    return DecoderConfig.llama(
+        **decoder_fields(cfg),
+        sliding_window=window,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
     )
 
 
@@ -168,13 +177,29 @@ def add_tied_head(weights: dict[str, Tensor], model: nn.Module) -> dict[str, Ten
     return weights
 
 
-def _rope_model(model: Any, *, windowed: bool) -> bool:
-    if not isinstance(model, DecoderLM) or model.config.position_embedding != "rope":
+def claims(model: Any, model_type: str, infer: Callable[[DecoderConfig], bool]) -> bool:
+    """Whether ``to_hf`` converts ``model`` to ``model_type``: the config's ``model_type``
+    when it names one, else ``infer(config)`` from its components."""
+    if not isinstance(model, DecoderLM):
         return False
-    c = model.config
-    if c.qk_norm or any(spec != LayerSpec() for spec in c.layer_specs):
-        return False  # MoE layers and QK-norm: interop/moe.py
-    return (model.config.sliding_window is not None) == windowed
+    named = model.config.model_type
+    return named == model_type if named is not None else infer(model.config)
+
+
+def _plain_rope(c: DecoderConfig, *, windowed: bool) -> bool:
+    if c.position_embedding != "rope" or c.qk_norm or c.norm_placement != "pre":
+        return False
+    if any(spec != LayerSpec() for spec in c.layer_specs):
+        return False  # MoE layers, per-layer windows: interop/moe.py, interop/qwen.py
+    if c.attention_out_bias is not None and c.attention_out_bias != c.attention_bias:
+        return False  # Qwen2's biases on q/k/v only
+    return (c.sliding_window is not None) == windowed
+
+
+def _rope_model(model: Any, *, windowed: bool) -> bool:
+    return claims(
+        model, "mistral" if windowed else "llama", lambda c: _plain_rope(c, windowed=windowed)
+    )
 
 
 LLAMA = register_converter(

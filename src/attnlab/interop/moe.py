@@ -1,6 +1,6 @@
-"""Mixtral, Qwen2-MoE and OLMoE <-> :class:`DecoderLM` with MoE layers.
+"""Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE <-> :class:`DecoderLM` with MoE layers.
 
-All three are Llama-style decoders (RoPE, RMSNorm, GQA) whose feed-forward is a mixture
+All four are Llama-style decoders (RoPE, RMSNorm, GQA) whose feed-forward is a mixture
 of SwiGLU experts with a ``softmax_topk`` router; transformers 5 stores the experts
 batched (``mlp.experts.gate_up_proj [E, 2F, D]``, ``mlp.experts.down_proj [E, D, F]``),
 the layout of :class:`~attnlab.modules.experts.Experts`, so weights map one to one.
@@ -13,6 +13,9 @@ the layout of :class:`~attnlab.modules.experts.Experts`, so weights map one to o
   ``mlp_only_layers``/``decoder_sparse_step`` say so (a per-layer layout).
 * OLMoE (Muennighoff et al., 2024): RMSNorm over the whole query and key projections
   (``qk_norm``), top-k not renormalised by default.
+* Qwen3-MoE (Qwen team, 2025): RMSNorm per head on queries and keys
+  (``qk_norm_scope="head"``), no shared expert, top-k renormalised when
+  ``norm_topk_prob``, dense layers where ``mlp_only_layers``/``decoder_sparse_step`` say.
 """
 
 from __future__ import annotations
@@ -24,42 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import (
-    _first,
-    add_tied_head,
-    drop_tied_head,
-    rope_from_hf,
-    rope_to_hf,
-)
+from attnlab.interop.llama import add_tied_head, claims, drop_tied_head, rope_to_hf
+from attnlab.interop.llama import decoder_fields as _common
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MoEConfig
 
-__all__ = ["MIXTRAL", "OLMOE", "QWEN2_MOE"]
-
-
-def _common(cfg: dict[str, Any]) -> dict[str, Any]:
-    theta, scaling = rope_from_hf(cfg)
-    heads = cfg["num_attention_heads"]
-    return dict(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate_size=cfg["intermediate_size"],
-        hidden_act=cfg.get("hidden_act", "silu"),
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-        pad_token_id=cfg.get("pad_token_id"),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=_first(cfg.get("eos_token_id")),
-    )
+__all__ = ["MIXTRAL", "OLMOE", "QWEN2_MOE", "QWEN3_MOE"]
 
 
 def _moe(cfg: dict[str, Any], *, num_experts: int, width: int, **extra: Any) -> MoEConfig:
@@ -134,6 +108,35 @@ def olmoe_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
     )
 
 
+def qwen3_moe_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
+    # transformers 5 writes num_experts as num_local_experts (an attribute map)
+    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    moe = _moe(
+        cfg,
+        num_experts=experts,
+        width=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    layers = tuple(
+        LayerSpec(ffn="moe", moe=moe)
+        if i not in dense_only and experts > 0 and (i + 1) % step == 0
+        else LayerSpec()
+        for i in range(cfg["num_hidden_layers"])
+    )
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    return DecoderConfig(
+        **_common(cfg),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=True,
+        qk_norm_scope="head",
+        sliding_window=window,
+        layers=layers,
+        model_type="qwen3_moe",
+    )
+
+
 def key_map(model: nn.Module) -> dict[str, str]:
     """attnlab keys -> transformers keys for the three architectures."""
     assert isinstance(model, DecoderLM)
@@ -146,8 +149,10 @@ def key_map(model: nn.Module) -> dict[str, str]:
         "self_attention.k_proj": "self_attn.k_proj",
         "self_attention.v_proj": "self_attn.v_proj",
         "self_attention.out_proj": "self_attn.o_proj",
-        "self_attention.q_norm": "self_attn.q_norm",
+        "self_attention.q_norm": "self_attn.q_norm",  # OLMoE: over the projection
         "self_attention.k_norm": "self_attn.k_norm",
+        "self_attention.q_norm.norm": "self_attn.q_norm",  # Qwen3-MoE: per head
+        "self_attention.k_norm.norm": "self_attn.k_norm",
         "self_attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
         # dense layers (Qwen2-MoE's mlp_only_layers) and shared experts
@@ -270,6 +275,30 @@ def olmoe_to_hf(model: nn.Module) -> nn.Module:
     return tf.OlmoeForCausalLM(cfg)
 
 
+def qwen3_moe_to_hf(model: nn.Module) -> nn.Module:
+    assert isinstance(model, DecoderLM)
+    c = model.config
+    moe = _uniform_moe(c, "Qwen3-MoE")
+    if moe.shared_expert_intermediate_size or not (c.qk_norm and c.qk_norm_scope == "head"):
+        raise ValueError("Qwen3-MoE has per-head QK-norm and no shared expert")
+    tf = require_transformers()
+    cfg = tf.Qwen3MoeConfig(
+        **_base_kwargs(c),
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=moe.intermediate_size,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(c.num_hidden_layers) if i not in c.moe_layers],
+        attention_bias=c.attention_bias,
+        use_sliding_window=c.sliding_window is not None,
+        sliding_window=c.sliding_window,
+        router_aux_loss_coef=moe.router_aux_loss_coef,
+    )
+    return tf.Qwen3MoeForCausalLM(cfg)
+
+
 _PER_EXPERT = re.compile(
     r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<e>\d+)\."
     r"(?P<w>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
@@ -301,13 +330,12 @@ def fuse_experts(weights: dict[str, Tensor], config: DecoderConfig) -> dict[str,
     return drop_tied_head(out, config)
 
 
-def _kind(model: Any) -> str | None:
-    """Which of the three a DecoderLM with MoE layers looks like."""
-    if not isinstance(model, DecoderLM) or not model.config.moe_layers:
+def _kind(c: DecoderConfig) -> str | None:
+    """Which of the four a DecoderLM with MoE layers looks like."""
+    if not c.moe_layers:
         return None
-    c = model.config
     if c.qk_norm:
-        return "olmoe"
+        return "qwen3_moe" if c.qk_norm_scope == "head" else "olmoe"
     moe = c.layer_specs[c.moe_layers[0]].moe
     assert moe is not None
     return "qwen2_moe" if moe.shared_expert_intermediate_size else "mixtral"
@@ -325,7 +353,7 @@ def _converter(model_type: str, hf_class: str, config_from_hf: Any, to_hf: Any) 
             to_hf_model=to_hf,
             weights_from_hf=fuse_experts,
             weights_to_hf=add_tied_head,
-            accepts=lambda m: _kind(m) == model_type,
+            accepts=lambda m: claims(m, model_type, lambda c: _kind(c) == model_type),
         )
     )
 
@@ -333,3 +361,4 @@ def _converter(model_type: str, hf_class: str, config_from_hf: Any, to_hf: Any) 
 MIXTRAL = _converter("mixtral", "MixtralForCausalLM", mixtral_config, mixtral_to_hf)
 QWEN2_MOE = _converter("qwen2_moe", "Qwen2MoeForCausalLM", qwen2_moe_config, qwen2_moe_to_hf)
 OLMOE = _converter("olmoe", "OlmoeForCausalLM", olmoe_config, olmoe_to_hf)
+QWEN3_MOE = _converter("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe_config, qwen3_moe_to_hf)

@@ -15,10 +15,7 @@ adapted attnlab model computes; :func:`load_peft_adapter` reads such a folder ba
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._files import atomic_folder
 from attnlab.interop.hf import converter_for
 from attnlab.modules.lora import LoRALinear, apply_lora, is_linear_like, lora_modules
 
@@ -44,11 +42,20 @@ _OUTPUT_LAYERS = ("lm_head",)
 
 
 @contextmanager
-def _bases_in_place(model: nn.Module) -> Iterator[None]:
-    """Inside the block, each adapter's base sits where the adapter was (plain key names)."""
-    swapped = list(lora_modules(model))
+def _float_view(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every adapted or quantized linear layer is a plain ``nn.Linear``
+    (on the meta device: shapes only), so the converter's key map sees its usual names."""
+    swapped: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        if any(path.startswith(f"{p}.") for p, _ in swapped):
+            continue
+        if isinstance(m, LoRALinear) or (is_linear_like(m) and not isinstance(m, nn.Linear)):
+            swapped.append((path, m))
     for path, m in swapped:
-        _set(model, path, m.base_layer)
+        bias = getattr(m.base_layer if isinstance(m, LoRALinear) else m, "bias", None)
+        i, o = getattr(m, "in_features"), getattr(m, "out_features")  # noqa: B009
+        stand_in = nn.Linear(int(i), int(o), bias=bias is not None, device="meta")
+        _set(model, path, stand_in)
     try:
         yield
     finally:
@@ -70,9 +77,9 @@ def hf_module_names(model: nn.Module) -> dict[str, str]:
     conv = converter_for(model)
     if conv is None:
         return {}
-    with _bases_in_place(model):
+    with _float_view(model):
         mapping = conv.key_map(model)
-        linear = {name for name, m in model.named_modules() if is_linear_like(m)}
+        linear = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return {
         ours[: -len(".weight")]: theirs[: -len(".weight")]
         for ours, theirs in mapping.items()
@@ -214,26 +221,6 @@ def _peft_tensors(model: nn.Module) -> tuple[dict[str, Tensor], list[str], dict[
     return tensors, modules, shared
 
 
-@contextmanager
-def _atomic_folder(folder: Path) -> Iterator[Path]:
-    """Write into a temporary sibling, then move it into place (no half-written folder)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        yield tmp
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def save_peft_adapter(
     model: nn.Module, folder: str | Path, *, base_model_name_or_path: str | None = None
 ) -> Path:
@@ -257,7 +244,7 @@ def save_peft_adapter(
     if not any(True for _ in lora_modules(model)):
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to save")
     tensors, modules, shared = _peft_tensors(model)
-    model_type = shared.pop("model_type")
+    shared.pop("model_type")
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM" if hasattr(model, "generate") else None,
@@ -268,10 +255,9 @@ def save_peft_adapter(
         "inference_mode": True,
         "modules_to_save": None,
         **shared,
-        "attnlab": {"model_type": model_type, "modules": modules},
     }
     folder = Path(folder)
-    with _atomic_folder(folder) as tmp:
+    with atomic_folder(folder) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         safetensors.torch.save_file(
             {k: v.contiguous().clone() for k, v in tensors.items()},

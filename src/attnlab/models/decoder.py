@@ -33,12 +33,17 @@ from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
 from attnlab.functional.losses import causal_lm_loss
-from attnlab.functional.masks import MaskPattern, causal, padding, sliding_window
+from attnlab.functional.masks import MaskPattern
 from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
-from attnlab.functional.score_mods import alibi
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.decoder_parts import (
+    AttentionGroup,
+    layer_pattern,
+    layer_rotaries,
+    score_mods,
+)
 from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
 from attnlab.models.outputs import CausalLMOutput
@@ -46,7 +51,7 @@ from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.experts import Experts, Router
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.moe import MoEBlock
-from attnlab.modules.norms import RMSNorm
+from attnlab.modules.norms import OffsetRMSNorm, RMSNorm
 from attnlab.modules.positions import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -59,12 +64,15 @@ CacheKind = Literal["dynamic", "static"]
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """``"rmsnorm"`` -> :class:`RMSNorm`, ``"layernorm"`` -> ``nn.LayerNorm``."""
+    """``"rmsnorm"`` -> :class:`RMSNorm`, ``"gemma_rmsnorm"`` -> :class:`OffsetRMSNorm`,
+    ``"layernorm"`` -> ``nn.LayerNorm``."""
     if kind == "rmsnorm":
         return RMSNorm(dim, eps=eps)
+    if kind == "gemma_rmsnorm":
+        return OffsetRMSNorm(dim, eps=eps)
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps)
-    raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm' or 'layernorm'")
+    raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm', 'gemma_rmsnorm' or 'layernorm'")
 
 
 def build_feed_forward(config: DecoderConfig, spec: LayerSpec) -> nn.Module | None:
@@ -144,21 +152,32 @@ def build_decoder_layer(
         MixerParts(layer_index=layer_index, rotary=rotary, backend=backend),
     )
     ff = build_feed_forward(config, spec)
+    sandwich = config.norm_placement == "sandwich"
+
+    def norm() -> nn.Module:
+        return make_norm(config.norm, d, config.norm_eps)
+
     return DecoderLayer(
         self_attention=mixer,
         feed_forward=ff,
-        self_attn_norm=make_norm(config.norm, d, config.norm_eps),
-        ffn_norm=make_norm(config.norm, d, config.norm_eps) if ff is not None else None,
+        self_attn_norm=norm(),
+        ffn_norm=norm() if ff is not None else None,
         norm_position="pre",
         dropout=config.hidden_dropout,
+        post_attn_norm=norm() if sandwich else None,
+        post_ffn_norm=norm() if sandwich and ff is not None else None,
     )
 
 
-def _first_kv(cache: ModelCache | None) -> KVCache | None:
-    """The first attention layer's KV cache: its slots are every attention layer's."""
+def _first_kv(
+    cache: ModelCache | None, windows: tuple[int | None, ...], window: int | None
+) -> KVCache | None:
+    """The KV cache of the first attention layer of ``window``: its slots are those of
+    every attention layer of that window (a rolling cache keeps the last ``W``)."""
     if cache is None:
         return None
-    return next((c for c in cache.layers if isinstance(c, KVCache)), None)
+    pairs = zip(cache.layers, windows)
+    return next((c for c, w in pairs if isinstance(c, KVCache) and w == window), None)
 
 
 class DecoderLM(nn.Module):
@@ -196,19 +215,15 @@ class DecoderLM(nn.Module):
         )
         self.rotary: RotaryEmbedding | None = None
         self.alibi_slopes: Tensor | None = None  # ALiBi (Press et al., 2022): a score modifier
+        layer_rotary = layer_rotaries(config)
         if config.position_embedding == "rope":
-            assert config.head_dim is not None
-            self.rotary = RotaryEmbedding(
-                dim=config.head_dim,
-                base=config.rope_theta,
-                scaling=config.rope_scaling,
-                max_position_embeddings=config.max_position_embeddings,
-                convention="interleaved" if config.rope_convention == "interleaved" else "half",
-            )
+            self.rotary = next((r for r in layer_rotary if r is not None), None)
         elif config.position_embedding == "alibi":
             self.alibi_slopes = alibi_slopes(config.num_attention_heads)
+        #: each layer's sliding window (None: global attention)
+        self.layer_windows = tuple(config.layer_window(i) for i in range(config.num_hidden_layers))
         self.layers = nn.ModuleList(
-            build_decoder_layer(config, layer_index=i, rotary=self.rotary, backend=backend)
+            build_decoder_layer(config, layer_index=i, rotary=layer_rotary[i], backend=backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = make_norm(config.norm, d, config.norm_eps)
@@ -253,11 +268,10 @@ class DecoderLM(nn.Module):
         Raises:
             ValueError: an unknown kind, or ``"static"`` without a positive ``max_length``.
         """
-        window = self.config.sliding_window
         if kind not in ("dynamic", "static"):
             raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
 
-        def kv_cache() -> KVCache:
+        def kv_cache(window: int | None) -> KVCache:
             if kind == "static":
                 weight = self.embed_tokens.weight
                 assert self.config.num_key_value_heads is not None
@@ -275,9 +289,9 @@ class DecoderLM(nn.Module):
             return DynamicKVCache(capacity=max_length)
 
         layers: list[LayerCache] = []
-        for spec in self.config.layer_specs:  # a hybrid mixes KV caches and recurrent states
-            own = get_mixer(spec.mixer).new_cache
-            layers.append(kv_cache() if own is None else own(self.config, kind, max_length))
+        for spec, window in zip(self.config.layer_specs, self.layer_windows):
+            own = get_mixer(spec.mixer).new_cache  # a hybrid mixes KV caches and states
+            layers.append(kv_cache(window) if own is None else own(self.config, kind, max_length))
         return ModelCache(layers=layers)
 
     def forward(
@@ -449,9 +463,11 @@ class DecoderLM(nn.Module):
         n = input_ids.shape[1]
         d = self.config.hidden_size
         x = self.output_weight.new_empty((input_ids.shape[0], n, d))  # shape and dtype only
-        first = _first_kv(cache)
+        first = _first_kv(cache, self.layer_windows, self.layer_windows[0])
         q_slots = start + torch.arange(n, device=x.device)[None]
-        pattern, is_causal, _, k_pos = self._pattern(first, attention_mask, start, n, q_slots)
+        pattern, is_causal, _, k_pos = self._pattern(
+            first, attention_mask, start, n, q_slots, window=self.layer_windows[0]
+        )
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
         return self._backend_for(self._attention_call(x, pattern, is_causal, s, False, first))
 
@@ -482,19 +498,17 @@ class DecoderLM(nn.Module):
         device = x.device
         q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
         positions = q_slots if position_ids is None else position_ids
+        if self.config.embedding_scale is not None:  # Gemma: sqrt(D) in the weights' dtype
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.training and self.config.hidden_dropout > 0:
             x = self.dropout(x)
-        first = _first_kv(cache)  # the attention layers' slots (a hybrid's others carry states)
         # the new tokens' padding, for mixers whose state must skip pads (Mamba)
         token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
-        pattern, is_causal, q_pos, k_pos = self._pattern(first, mask, start, n, q_slots, extra)
-        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        call = self._attention_call(x, pattern, is_causal, s, output_attentions, first)
-        backend = self._backend_for(call) if backend is None else backend  # once per forward
+        groups = self._groups(x, cache, mask, start, q_slots, extra, output_attentions, backend)
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         router_logits: list[Tensor] = []
@@ -502,7 +516,8 @@ class DecoderLM(nn.Module):
             iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
         )
         ckpt = checkpointing(self, cached=cache is not None)
-        for layer, layer_cache in zip(self.layers, layer_caches):
+        for layer, layer_cache, window in zip(self.layers, layer_caches, self.layer_windows):
+            pattern, is_causal, q_pos, k_pos, call, chosen = groups[window]
             x, w, _, r = call_layer(
                 layer,
                 ckpt,
@@ -516,7 +531,7 @@ class DecoderLM(nn.Module):
                 cache=cast(KVCache | None, layer_cache),
                 cache_start=start,
                 call=call,
-                backend=backend,
+                backend=chosen,
                 need_weights=output_attentions,
                 token_mask=token_mask,
             )
@@ -532,12 +547,61 @@ class DecoderLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2's output soft-cap
+            logits = torch.tanh(logits / cap) * cap
         return (
             logits,
             tuple(hidden) if output_hidden_states else None,
             tuple(attentions) if output_attentions else None,
             tuple(router_logits) if output_router_logits else None,
         )
+
+    def _groups(
+        self,
+        x: Tensor,
+        cache: ModelCache | None,
+        mask: Tensor | None,
+        start: Start,
+        q_slots: Tensor,
+        extra: MaskPattern | None,
+        need_weights: bool,
+        backend: str | None,
+    ) -> dict[int | None, tuple[Any, ...]]:
+        """One ``(pattern, is_causal, q slots, k slots, call, backend)`` per distinct window
+        of the layers (None: the global layers), the backend chosen once per forward."""
+        n = x.shape[1]
+        groups: dict[int | None, tuple[Any, ...]] = {}
+        for window in dict.fromkeys(self.layer_windows):
+            # the slots of the first attention layer of this window (others carry states)
+            first = _first_kv(cache, self.layer_windows, window)
+            pattern, is_causal, q_pos, k_pos = self._pattern(
+                first, mask, start, n, q_slots, extra, window=window
+            )
+            s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+            call = self._attention_call(x, pattern, is_causal, s, need_weights, first)
+            chosen = self._backend_for(call) if backend is None else backend
+            groups[window] = (pattern, is_causal, q_pos, k_pos, call, chosen)
+        return groups
+
+    def explain_attention(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> list[AttentionGroup]:
+        """How an uncached forward of ``input_ids`` would attend, one entry per distinct
+        window: the layers, their window and pattern, and the registry's
+        :class:`~attnlab.backends.registry.Explanation` of the backend they run
+        (``str()`` of an entry prints it). Runs no layer."""
+        b, n = input_ids.shape
+        x = self.output_weight.new_empty((b, n, self.config.hidden_size))  # shape and dtype
+        mask = self._check_mask(attention_mask, b, n)
+        q_slots = torch.arange(n, device=x.device)[None]
+        groups = self._groups(x, None, mask, 0, q_slots, None, False, None)
+        out = []
+        for window, (pattern, is_causal, _, _, call, _) in groups.items():
+            layers = tuple(i for i, w in enumerate(self.layer_windows) if w == window)
+            shown = "causal (is_causal)" if pattern is None and is_causal else repr(pattern)
+            out.append(AttentionGroup(layers, window, shown, choose_call(call, self.backend)))
+        return out
 
     def _pattern(
         self,
@@ -547,17 +611,19 @@ class DecoderLM(nn.Module):
         n: int,
         q_slots: Tensor,
         extra: MaskPattern | None = None,
+        *,
+        window: int | None,
     ) -> tuple[MaskPattern | None, bool, Tensor | None, Tensor | None]:
-        """``(pattern, is_causal, q slots, k slots)`` shared by every layer of one forward.
+        """``(pattern, is_causal, q slots, k slots)`` shared by the layers of one window.
 
-        The pattern is ``causal() & sliding_window(W - 1) & padding(mask)`` with ALiBi as
-        a score modifier, evaluated on slots (and ``& extra``, a user's pattern such as
-        ``document(ids)``, when given). Two shapes need no pattern at all: a
-        prompt with no cache, padding, window or bias (torch's causal kernel), and one
-        new token against a contiguous cache of every earlier slot (it sees them all).
+        The pattern is ``causal() & sliding_window(W - 1) & padding(mask)`` with ALiBi and
+        soft-capping as score modifiers, evaluated on slots (and ``& extra``, a user's
+        pattern such as ``document(ids)``, when given). Two shapes need no pattern at
+        all: a prompt with no cache, padding, window or bias (torch's causal kernel), and
+        one new token against a contiguous cache of every earlier slot (it sees them all).
         """
-        window = self.config.sliding_window
-        plain = mask is None and window is None and self.alibi_slopes is None and extra is None
+        mods = score_mods(self.config, self.alibi_slopes)
+        plain = mask is None and window is None and not mods and extra is None
         contiguous = first is None or isinstance(first, DynamicKVCache)
         if plain and contiguous and isinstance(start, int):
             if start == 0:
@@ -568,14 +634,7 @@ class DecoderLM(nn.Module):
             k_slots = first.key_slots(start, n, q_slots.device)  # [1, S]
         else:
             k_slots = torch.arange(q_slots.shape[-1] + int(start), device=q_slots.device)[None]
-        pattern: MaskPattern = causal() if window is None else sliding_window(window - 1)
-        if mask is not None:
-            pattern = pattern & padding(mask)
-        if extra is not None:
-            pattern = pattern & extra
-        if self.alibi_slopes is not None:
-            pattern = pattern.with_scores(alibi(self.alibi_slopes))
-        return pattern, False, q_slots, k_slots
+        return layer_pattern(window, mask, extra, mods), False, q_slots, k_slots
 
     def _attention_call(
         self,

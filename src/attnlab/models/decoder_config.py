@@ -19,7 +19,9 @@ from attnlab.modules.activations import activation_names
 __all__ = ["DecoderConfig"]
 
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal", "alibi", "none")
-NORMS = ("rmsnorm", "layernorm")
+NORMS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
+NORM_PLACEMENTS = ("pre", "sandwich")
+QK_NORM_SCOPES = ("projection", "head")
 MLPS = ("gated", "standard")
 
 
@@ -37,8 +39,12 @@ class DecoderConfig(ConfigBase):
         intermediate_size: feed-forward inner width.
         hidden_act: feed-forward activation name.
         mlp: ``"gated"`` (SwiGLU, Llama) or ``"standard"`` (two layers, GPT-2/BLOOM).
-        norm: ``"rmsnorm"`` (Llama) or ``"layernorm"`` (GPT-2, BLOOM).
+        norm: ``"rmsnorm"`` (Llama), ``"gemma_rmsnorm"`` (Gemma's ``x * (1 + w)`` with
+            the weight stored as an offset from 1) or ``"layernorm"`` (GPT-2, BLOOM).
         norm_eps: epsilon of the norms.
+        norm_placement: ``"pre"`` (one norm before each sublayer) or ``"sandwich"`` (also
+            one on each sublayer's output before the residual: Gemma 2 and 3's four
+            norms per layer).
         position_embedding: ``"rope"``, ``"learned"`` (GPT-2), ``"sinusoidal"``,
             ``"alibi"`` (BLOOM) or ``"none"``.
         max_position_embeddings: maximum positions (learned/sinusoidal tables; RoPE
@@ -57,8 +63,21 @@ class DecoderConfig(ConfigBase):
         attention_dropout: dropout on attention weights.
         hidden_dropout: dropout on embeddings and sublayer outputs.
         pad_token_id, bos_token_id, eos_token_id: special token ids (or None).
-        qk_norm: an RMSNorm over the whole query and key projections, before RoPE
-            (OLMoE, OLMo 2).
+        qk_norm: a norm (the kind ``norm`` names) on queries and keys before RoPE.
+        qk_norm_scope: ``"projection"`` (over the whole query/key projection: OLMoE,
+            OLMo 2) or ``"head"`` (per head, over ``head_dim``: Qwen3, Gemma 3).
+        query_pre_attn_scalar: scores are scaled by ``query_pre_attn_scalar ** -0.5``
+            instead of ``head_dim ** -0.5`` (Gemma 2 and 3), or None.
+        attn_logit_softcapping: soft-cap ``c * tanh(s / c)`` on the attention scores (a
+            score modifier; Gemma 2), or None.
+        final_logit_softcapping: the same on the output logits (Gemma 2), or None.
+        embedding_scale: the token embeddings are multiplied by this (Gemma:
+            ``sqrt(hidden_size)``, rounded to the weights' dtype), or None.
+        partial_rotary_factor: the share of each head's features RoPE rotates (Phi-3.5,
+            Phi-4-mini: 0.75); the rest pass through.
+        model_type: the transformers ``model_type`` this config describes (``"qwen3"``,
+            ``"gemma2"``, ...), which ``to_hf`` converts to when several share the same
+            computation (Llama and Phi-3); None: inferred from the components.
         layers: the per-layer layout, one :class:`LayerSpec` per layer (mixer and
             feed-forward: dense, mixture of experts or none); None means every layer is
             attention + dense feed-forward. Dicts (from JSON) are accepted.
@@ -94,6 +113,14 @@ class DecoderConfig(ConfigBase):
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     qk_norm: bool = False
+    qk_norm_scope: str = "projection"
+    norm_placement: str = "pre"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    embedding_scale: float | None = None
+    partial_rotary_factor: float = 1.0
+    model_type: str | None = None
     layers: tuple[LayerSpec, ...] | None = None
     gradient_checkpointing: bool = False
 
@@ -128,13 +155,29 @@ class DecoderConfig(ConfigBase):
             ("norm", self.norm, NORMS),
             ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
             ("rope_convention", self.rope_convention, ("half", "interleaved")),
+            ("norm_placement", self.norm_placement, NORM_PLACEMENTS),
+            ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
         if self.hidden_act not in activation_names():
             raise ValueError(f"unknown hidden_act {self.hidden_act!r}; known: {activation_names()}")
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        check_real("partial_rotary_factor", self.partial_rotary_factor, gt=0.0, le=1.0)
+        if self.position_embedding == "rope" and self.rotary_dim % 2:
+            raise ValueError(
+                f"RoPE needs an even number of rotated features, got {self.rotary_dim} "
+                f"(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor})"
+            )
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "embedding_scale",
+        ):
+            if getattr(self, name) is not None:
+                check_real(name, getattr(self, name), gt=0.0)
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise TypeError(f"model_type must be a str or None, got {self.model_type!r}")
         check_rope_parameters(self.rope_theta, self.rope_scaling)
         if self.sliding_window is not None:
             check_positive_int("sliding_window", self.sliding_window)
@@ -174,6 +217,17 @@ class DecoderConfig(ConfigBase):
                     "the sequence, so a causal decoder cannot use it (a token would see later "
                     "tokens); use a token-choice router (softmax_topk, topk_softmax, switch)"
                 )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head RoPE rotates: ``head_dim * partial_rotary_factor``."""
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The sliding window of layer ``layer_index`` (its own, else the config's)."""
+        own = self.layer_specs[layer_index].sliding_window
+        return own if own is not None else self.sliding_window
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -235,3 +289,90 @@ class DecoderConfig(ConfigBase):
             tie_word_embeddings=True,
         )
         return cls(**(base | overrides))
+
+    @classmethod
+    def qwen2(cls, **overrides: Any) -> DecoderConfig:
+        """Qwen2 / Qwen2.5 (Qwen team, 2024): Llama's components with biases on the query,
+        key and value projections (none on the output); windowed layers, when wanted, by
+        ``layers=(LayerSpec(sliding_window=W), ...)``."""
+        base: dict[str, Any] = dict(
+            attention_bias=True, attention_out_bias=False, rope_theta=1e6, model_type="qwen2"
+        )
+        return cls(**(base | overrides))
+
+    @classmethod
+    def qwen3(cls, **overrides: Any) -> DecoderConfig:
+        """Qwen3 (Qwen team, 2025): Llama's components with an RMSNorm on each head's
+        queries and keys before RoPE (QK-norm, Dehghani et al., 2023)."""
+        base: dict[str, Any] = dict(
+            qk_norm=True, qk_norm_scope="head", rope_theta=1e6, model_type="qwen3"
+        )
+        return cls(**(base | overrides))
+
+    @classmethod
+    def qwen3_moe(cls, *, moe: MoEConfig | None = None, **overrides: Any) -> DecoderConfig:
+        """Qwen3-MoE: Qwen3's attention with a routed MoE in every layer (default 128
+        experts, top-8 renormalised, experts of width 768, no shared expert)."""
+        moe = moe or MoEConfig(num_experts=128, top_k=8, intermediate_size=768)
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        base: dict[str, Any] = dict(
+            qk_norm=True,
+            qk_norm_scope="head",
+            rope_theta=1e6,
+            model_type="qwen3_moe",
+            layers=(LayerSpec(ffn="moe", moe=moe),) * n,
+        )
+        return cls(**(base | overrides))
+
+    @classmethod
+    def gemma2(cls, *, window: int = 4096, **overrides: Any) -> DecoderConfig:
+        """Gemma 2 (Gemma Team, 2024): local (``window``) and global layers alternating
+        (the first local), soft-capped scores (50) and logits (30), scores scaled by
+        ``query_pre_attn_scalar ** -0.5``, four norms per layer of ``x * (1 + w)``,
+        GeGLU (tanh GELU), tied embeddings scaled by ``sqrt(hidden_size)``."""
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        return cls(**(_gemma_base(overrides, n, window, period=2) | overrides))
+
+    @classmethod
+    def gemma3(cls, *, window: int = 4096, **overrides: Any) -> DecoderConfig:
+        """Gemma 3's text decoder (Gemma Team, 2025): five local layers (``window``, RoPE
+        base 10000) to one global (RoPE base 1e6), per-head QK-norm, Gemma 2's norms,
+        GeGLU and scaled embeddings, no soft-capping."""
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        base = _gemma_base(overrides, n, window, period=6, local_theta=10000.0)
+        base |= dict(
+            qk_norm=True,
+            qk_norm_scope="head",
+            rope_theta=1e6,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            model_type="gemma3_text",
+        )
+        return cls(**(base | overrides))
+
+
+def _gemma_base(
+    overrides: dict[str, Any],
+    n: int,
+    window: int,
+    *,
+    period: int,
+    local_theta: float | None = None,
+) -> dict[str, Any]:
+    """Gemma's shared components; every ``period``-th layer global, the others local."""
+    hidden = overrides.get("hidden_size", DecoderConfig.hidden_size)
+    heads = overrides.get("num_attention_heads", DecoderConfig.num_attention_heads)
+    head_dim = overrides.get("head_dim") or hidden // heads
+    local = LayerSpec(sliding_window=window, rope_theta=local_theta)
+    return dict(
+        norm="gemma_rmsnorm",
+        norm_placement="sandwich",
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        embedding_scale=hidden**0.5,
+        query_pre_attn_scalar=float(head_dim),
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        model_type="gemma2",
+        layers=tuple(LayerSpec() if (i + 1) % period == 0 else local for i in range(n)),
+    )

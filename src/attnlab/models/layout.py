@@ -154,8 +154,14 @@ class LayerSpec:
         moe: the mixture of experts when ``ffn == "moe"``.
         mamba: the Mamba mixer's settings when ``mixer == "mamba"`` (None: the defaults).
         linear: the settings of a linear-attention or gated-recurrence mixer
-            (``"delta_net"``, ``"gated_delta_net"``, ``"gla"``, ``"rglru"``, ``"short_conv"``;
-            None: the defaults).
+            (``"delta_net"``, ``"gated_delta_net"``, ``"gla"``, ``"rglru"``, ``"short_conv"``,
+            ``"rwkv7"``; None: the defaults).
+        sliding_window: this attention layer's window ``W`` (each token sees ``W`` tokens,
+            itself included), or None for the config's ``sliding_window``: local layers
+            between global ones (Gemma 2 and 3, Qwen2's ``layer_types``).
+        rope: False for a layer without RoPE (a NoPE layer: SmolLM3's every fourth).
+        rope_theta: this layer's own RoPE base, unscaled (Gemma 3's local layers), or None
+            for the config's base and scaling.
     """
 
     mixer: str = "attention"
@@ -163,6 +169,9 @@ class LayerSpec:
     moe: MoEConfig | None = field(default=None)
     mamba: MambaLayerConfig | None = field(default=None)
     linear: LinearLayerConfig | None = field(default=None)
+    sliding_window: int | None = None
+    rope: bool = True
+    rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.linear, dict):
@@ -202,6 +211,19 @@ class LayerSpec:
             )
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+        if self.sliding_window is not None:
+            check_positive_int("sliding_window", self.sliding_window)
+        if not isinstance(self.rope, bool):
+            raise TypeError(f"rope must be a bool, got {self.rope!r}")
+        if self.rope_theta is not None:
+            check_real("rope_theta", self.rope_theta, ge=1.0)
+        if self.mixer != "attention" and (
+            self.sliding_window is not None or not self.rope or self.rope_theta is not None
+        ):
+            raise ValueError(
+                f"sliding_window, rope and rope_theta configure attention layers, got "
+                f"mixer={self.mixer!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,7 +14,7 @@ from attnlab.functional._checks import check_positive_int
 __all__ = ["LINEAR_MIXERS", "LinearLayerConfig"]
 
 #: the mixers that read a :class:`LinearLayerConfig`
-LINEAR_MIXERS = ("delta_net", "gated_delta_net", "gla", "rglru", "short_conv")
+LINEAR_MIXERS = ("delta_net", "gated_delta_net", "gla", "rglru", "short_conv", "rwkv7")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
 * ``"gated_delta_net"``: Gated DeltaNet (Yang et al., 2025) in Qwen3-Next's layout;
 * ``"gla"``: gated linear attention (Yang et al., 2024);
 * ``"rglru"``: Griffin's recurrent block (De et al., 2024), RecurrentGemma's layout;
-* ``"short_conv"``: LFM2's gated short convolution.
+* ``"short_conv"``: LFM2's gated short convolution;
+* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual.
 
 Each carries a fixed-size state from :mod:`attnlab.cache.linear_state` in the model's one
 :class:`~attnlab.cache.base.ModelCache`, beside attention layers' KV caches in a hybrid.
@@ -20,13 +21,20 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from attnlab.cache.linear_state import DeltaNetState, GLAState, RGLRUState, ShortConvState
+from attnlab.cache.linear_state import (
+    DeltaNetState,
+    GLAState,
+    RGLRUState,
+    RWKV7State,
+    ShortConvState,
+)
 from attnlab.cache.recurrent import RecurrentState
 from attnlab.models.linear_layout import LinearLayerConfig
 from attnlab.models.mixers import Mixer, MixerParts, StateMixer, register_mixer
 from attnlab.modules.delta_net import GatedDeltaNet
 from attnlab.modules.gla import GatedLinearAttention
 from attnlab.modules.rglru import GatedShortConv, RecurrentBlock
+from attnlab.modules.rwkv7 import RWKV7TimeMix
 
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
@@ -123,6 +131,17 @@ def _short_conv(config: DecoderConfig, parts: MixerParts) -> nn.Module:
     )
 
 
+def _rwkv7(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    s = _settings(config, parts)
+    return StateMixer(
+        mixer=RWKV7TimeMix(
+            hidden_size=config.hidden_size,
+            num_heads=s.num_heads or config.num_attention_heads,
+            chunk_size=s.chunk_size,
+        )
+    )
+
+
 def _state_factory(state: type[RecurrentState]) -> Callable[[DecoderConfig, str, int], Any]:
     def new_cache(config: DecoderConfig, kind: str, max_length: int) -> Any:
         return state()
@@ -136,5 +155,6 @@ for _name, _build, _state in (
     ("gla", _gla, GLAState),
     ("rglru", _rglru, RGLRUState),
     ("short_conv", _short_conv, ShortConvState),
+    ("rwkv7", _rwkv7, RWKV7State),
 ):
     register_mixer(Mixer(name=_name, build=_build, new_cache=_state_factory(_state)))

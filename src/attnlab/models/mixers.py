@@ -23,7 +23,7 @@ from attnlab.cache.recurrent import MambaState, RecurrentState
 from attnlab.models.layout import MambaLayerConfig
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.mamba import MambaMixer
-from attnlab.modules.norms import RMSNorm
+from attnlab.modules.norms import PerHeadNorm, RMSNorm
 
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
@@ -45,7 +45,8 @@ class MixerParts:
 
     Attributes:
         layer_index: the layer's index in the stack.
-        rotary: the shared rotary embedding, or None.
+        rotary: the layer's rotary embedding (shared by the layers of one RoPE base), or
+            None (no RoPE, or a NoPE layer).
         backend: the attention backend name.
     """
 
@@ -97,12 +98,24 @@ def build_mixer(name: str, config: DecoderConfig, parts: MixerParts) -> nn.Modul
     return get_mixer(name).build(config, parts)
 
 
+def _qk_norm(config: DecoderConfig, heads: int) -> nn.Module:
+    """The QK-norm of ``heads`` heads: over the whole projection or per head."""
+    from attnlab.models.decoder import make_norm  # the decoder's norm kinds; avoids a cycle
+
+    assert config.head_dim is not None
+    if config.qk_norm_scope == "head":
+        norm = make_norm(config.norm, config.head_dim, config.norm_eps)
+        return PerHeadNorm(norm=norm, head_dim=config.head_dim)
+    return make_norm(config.norm, heads * config.head_dim, config.norm_eps)
+
+
 def _attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
     assert config.head_dim is not None and config.num_key_value_heads is not None
     q_norm = k_norm = None
     if config.qk_norm:
-        q_norm = RMSNorm(config.num_attention_heads * config.head_dim, eps=config.norm_eps)
-        k_norm = RMSNorm(config.num_key_value_heads * config.head_dim, eps=config.norm_eps)
+        q_norm = _qk_norm(config, config.num_attention_heads)
+        k_norm = _qk_norm(config, config.num_key_value_heads)
+    scalar = config.query_pre_attn_scalar
     return MultiHeadAttention(
         embed_dim=config.hidden_size,
         num_heads=config.num_attention_heads,
@@ -115,6 +128,7 @@ def _attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
         rotary=parts.rotary,
         q_norm=q_norm,
         k_norm=k_norm,
+        scale=None if scalar is None else scalar**-0.5,
     )
 
 

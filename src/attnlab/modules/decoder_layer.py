@@ -5,6 +5,8 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``S_enc`` encoder length, ``D`` w
 * pre-LN (GPT-2, Llama, BLOOM, T5): ``x = x + drop(sublayer(norm(x)))`` per sublayer;
   the stack ends with one more norm.
 * post-LN (Vaswani et al., 2017): ``x = norm(x + drop(sublayer(x)))``.
+* sandwich (pre-LN with a norm on each sublayer's output, Gemma 2 and 3):
+  ``x = x + drop(post_norm(sublayer(norm(x))))``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class DecoderLayer(nn.Module):
         cross_attn_norm: norm of the cross-attention sublayer (with ``cross_attention``).
         norm_position: ``"pre"`` or ``"post"``.
         dropout: dropout on each sublayer's output (training only).
+        post_attn_norm: a norm on the self-attention sublayer's output before the
+            residual (pre-LN only: the sandwich layout), or None.
+        post_ffn_norm: the same for the feed-forward sublayer, or None.
     """
 
     def __init__(
@@ -69,10 +74,16 @@ class DecoderLayer(nn.Module):
         cross_attn_norm: nn.Module | None = None,
         norm_position: NormPosition = "pre",
         dropout: float = 0.0,
+        post_attn_norm: nn.Module | None = None,
+        post_ffn_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
+        if norm_position == "post" and (post_attn_norm or post_ffn_norm) is not None:
+            raise ValueError("post_attn_norm/post_ffn_norm (the sandwich) need norm_position='pre'")
+        if post_ffn_norm is not None and feed_forward is None:
+            raise ValueError("post_ffn_norm needs a feed_forward")
         if (cross_attention is None) != (cross_attn_norm is None):
             raise ValueError("cross_attention and cross_attn_norm go together")
         if (feed_forward is None) != (ffn_norm is None):
@@ -85,15 +96,21 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = ffn_norm
         self.norm_position = norm_position
         self.dropout = nn.Dropout(dropout)
+        self.post_attn_norm = post_attn_norm
+        self.post_ffn_norm = post_ffn_norm
 
     def extra_repr(self) -> str:
         return f"norm_position={self.norm_position!r}"
 
-    def _sublayer(self, x: Tensor, norm: nn.Module, fn: object) -> tuple[Tensor, Tensor | None]:
+    def _sublayer(
+        self, x: Tensor, norm: nn.Module, fn: object, post: nn.Module | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         assert callable(fn)
         drop = self.dropout.p > 0 and self.training
         if self.norm_position == "pre":
             out, w = fn(norm(x))
+            if post is not None:
+                out = post(out)
             return x + (self.dropout(out) if drop else out), w
         out, w = fn(x)
         return norm(x + (self.dropout(out) if drop else out)), w
@@ -164,7 +181,7 @@ class DecoderLayer(nn.Module):
             )
             return out
 
-        x, self_w = self._sublayer(x, self.self_attn_norm, self_attn)
+        x, self_w = self._sublayer(x, self.self_attn_norm, self_attn, self.post_attn_norm)
         cross_w = None
         if self.cross_attention is not None:
             cross = self.cross_attention
@@ -198,5 +215,5 @@ class DecoderLayer(nn.Module):
                 return out, None
 
             assert self.ffn_norm is not None
-            x, router_logits = self._sublayer(x, self.ffn_norm, ffn)
+            x, router_logits = self._sublayer(x, self.ffn_norm, ffn, self.post_ffn_norm)
         return DecoderLayerOutput(x, self_w, cross_w, router_logits)

@@ -5,12 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnlab._validate import check_int, check_real
+from attnlab._validate import check_int, check_real, check_seed
 from attnlab.generation.sampler import SamplingSettings
-
-#: The largest seed a request may give: a non-negative int64 (the OpenAI API's type);
-#: choice ``i`` is seeded ``seed + i``, within the ``2**64 - 1`` torch accepts.
-SEED_MAX = 2**63 - 1
 
 __all__ = ["ParamError", "SamplingParams"]
 
@@ -150,8 +146,11 @@ class SamplingParams:
         _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if self.seed is not None:
-            _int("seed", self.seed, low=0, high=SEED_MAX)
+        if self.seed is not None:  # choice i is seeded seed + i <= 2**63 + 15: torch takes it
+            try:
+                check_seed("seed", self.seed)
+            except ValueError as e:
+                raise ParamError("seed", str(e)) from None
         object.__setattr__(
             self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids)
         )

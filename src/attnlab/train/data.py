@@ -48,6 +48,7 @@ class Batch:
             them inside the loss).
         doc_ids: ``[B, L]`` document of each token (packed text with document masks).
         position_ids: ``[B, L]`` positions restarting at each document.
+        attention_mask: ``[B, L]`` 1 for tokens, 0 for padding (padded batches).
         num_targets: targets the loss counts (after the decoder's shift).
         num_bytes: UTF-8 bytes those targets stand for (text only; bits per byte).
     """
@@ -56,6 +57,7 @@ class Batch:
     labels: Tensor
     doc_ids: Tensor | None = None
     position_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
     num_targets: int = 0
     num_bytes: int = 0
 

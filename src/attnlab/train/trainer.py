@@ -71,6 +71,8 @@ def model_inputs(batch: Batch, kind: str) -> dict[str, Any]:
     if kind == "decoder" and batch.doc_ids is not None:
         kw["attention_mask"] = document(batch.doc_ids)
         kw["position_ids"] = batch.position_ids
+    elif batch.attention_mask is not None:
+        kw["attention_mask"] = batch.attention_mask
     return kw
 
 

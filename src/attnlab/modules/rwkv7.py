@@ -1,0 +1,157 @@
+"""The RWKV-7 ("Goose") time-mix mixer.
+
+Peng et al. (2025), "RWKV-7 'Goose' with expressive dynamic state evolution", section 4,
+as flash-linear-attention's ``RWKV7Attention`` builds it (its parameter names):
+
+    x_* = x + (shift(x) - x) mu_*                        (token shift, one lerp per branch)
+    r, k, v = r_proj(x_r), k_proj(x_k), v_proj(x_v)
+    gk = -e^{-1/2} sigmoid(w_lora(x_w))                   (log decay in (-0.607, 0))
+    a = sigmoid(a_lora(x_a));   g = g_lora(x_g)
+    kappa = l2norm(k k_k);      k = k (1 + (a - 1) k_a)
+    o = rwkv7(r, k, v, -kappa, kappa a, gk)               (:mod:`attnlab.functional.rwkv7`)
+    y = o_proj((group_norm(o) + (r . k . r_k) v) g)
+
+The value residual of the paper (every layer mixing in layer 0's values) crosses layers,
+which a mixer in the decoder's one shell does not see; it is left out, as fla does for
+its first layer. The channel mix is the decoder's feed-forward.
+
+Shape notation: ``B`` batch, ``L`` tokens, ``D`` width, ``H`` heads, ``K`` head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.cache.linear_state import RWKV7State
+from attnlab.functional._checks import check_positive_int
+from attnlab.functional.rwkv7 import rwkv7_chunked, rwkv7_step
+
+__all__ = ["RWKV7TimeMix"]
+
+
+def _lora(
+    d_in: int, rank: int, d_out: int, activation: nn.Module | None, bias: bool = True
+) -> nn.Sequential:
+    parts: list[nn.Module] = [nn.Linear(d_in, rank, bias=False)]
+    if activation is not None:
+        parts.append(activation)
+    parts.append(nn.Linear(rank, d_out, bias=bias))
+    return nn.Sequential(*parts)
+
+
+class RWKV7TimeMix(nn.Module):
+    """RWKV-7's time mix (no value residual).
+
+    Args:
+        hidden_size: ``D``.
+        num_heads: ``H`` (``D`` divisible by it).
+        decay_low_rank_dim, a_low_rank_dim, gate_low_rank_dim: the LoRA ranks
+            (fla's defaults for small models: 64, 64, 128; capped at ``D``).
+        chunk_size: tokens per chunk of the chunked form.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        decay_low_rank_dim: int = 64,
+        a_low_rank_dim: int = 64,
+        gate_low_rank_dim: int = 128,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("num_heads", num_heads),
+            ("chunk_size", chunk_size),
+        ):
+            check_positive_int(name, value)
+        if hidden_size % num_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
+            )
+        d = hidden_size
+        self.num_heads, self.head_dim, self.chunk_size = num_heads, d // num_heads, chunk_size
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            setattr(self, name, nn.Parameter(torch.rand(1, 1, d) * 0.5))
+        self.k_k = nn.Parameter(torch.full((d,), 0.85))
+        self.k_a = nn.Parameter(torch.ones(d))
+        self.r_k = nn.Parameter(torch.randn(num_heads, self.head_dim) * 0.1)
+        self.r_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.w_lora = _lora(d, min(decay_low_rank_dim, d), d, nn.Tanh())
+        self.a_lora = _lora(d, min(a_low_rank_dim, d), d, None)
+        self.g_lora = _lora(d, min(gate_low_rank_dim, d), d, nn.Sigmoid(), bias=False)
+        self.g_norm = nn.GroupNorm(num_heads, d, eps=self.head_dim * 1e-5)
+
+    def new_state(self) -> RWKV7State:
+        return RWKV7State()
+
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None = None, state: RWKV7State | None = None
+    ) -> Tensor:
+        """``x [B, L, D] -> [B, L, D]``; continues from and updates ``state`` when given."""
+        b, l, d = x.shape
+        h, dk = self.num_heads, self.head_dim
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)  # padding reads as the zeros before a row
+        prev = state.shift if state is not None and state.shift is not None else x.new_zeros((b, d))
+        shifted = torch.cat((prev[:, None].to(x.dtype), x[:, :-1]), dim=1)
+        delta = shifted - x
+        xr, xw, xk, xv, xa, xg = (
+            x + delta * getattr(self, n) for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+        )
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        gk = -math.exp(-0.5) * torch.sigmoid(self.w_lora(xw))
+        a = torch.sigmoid(self.a_lora(xa))
+        g = self.g_lora(xg)
+        kappa = F.normalize((k * self.k_k).view(b, l, h, dk), dim=-1, eps=1e-12)
+        k = k * (1 + (a - 1) * self.k_a)
+
+        def heads(t: Tensor) -> Tensor:
+            return t.reshape(b, l, h, dk).transpose(1, 2)  # [B, H, L, K]
+
+        rh, kh, vh, ah, gh = heads(r), heads(k), heads(v), heads(a), heads(gk)
+        kap = kappa.transpose(1, 2)
+        init = state.ssm if state is not None else None
+        if l == 1 and init is not None:
+            m = mask[:, 0].to(x.dtype)[:, None, None] if mask is not None else 1.0
+            o, s = rwkv7_step(
+                rh[:, :, 0],
+                kh[:, :, 0] * m,
+                vh[:, :, 0],
+                -kap[:, :, 0],
+                kap[:, :, 0] * ah[:, :, 0] * m,
+                gh[:, :, 0] * m,
+                init,
+            )
+            o = o[:, :, None]
+        else:
+            o, s = rwkv7_chunked(
+                rh,
+                kh,
+                vh,
+                -kap,
+                kap * ah,
+                gh,
+                state=init,
+                mask=mask,
+                chunk_size=min(self.chunk_size, max(l, 1)),
+            )
+        if state is not None:
+            last = x[:, -1]
+            if mask is not None:  # a padded last step keeps the previous input
+                keep = mask[:, -1].to(x.dtype)[:, None]
+                last = keep * last + (1 - keep) * prev.to(x.dtype)
+            state.write(last, s, l)
+        o = self.g_norm(o.transpose(1, 2).reshape(b * l, d)).view(b, l, d)
+        bonus = (r.view(b, l, h, dk) * k.view(b, l, h, dk) * self.r_k).sum(-1, keepdim=True)
+        o = o + (bonus * v.view(b, l, h, dk)).view(b, l, d)
+        return self.o_proj(o * g)
