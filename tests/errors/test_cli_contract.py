@@ -40,7 +40,7 @@ def test_every_subcommand_has_json_and_every_option_has_help() -> None:
 
 
 # the argument that names a model folder, per subcommand (None: the command takes none)
-MODEL_ARGS = {"model", "model_dir", "teacher", "model_path"}
+MODEL_ARGS = {"model", "model_dir", "teacher", "model_path", "input"}
 
 
 def _model_argument(p: argparse.ArgumentParser) -> argparse.Action | None:
@@ -55,6 +55,10 @@ REST: dict[str, list[str]] = {
     "embed": ["{tmp}/notes.txt"],
     "serve": [],
     "distill": ["--out", "{tmp}/student"],
+    "chat": ["--prompt", "hi"],
+    "perplexity": ["{tmp}/notes.txt"],
+    "convert": ["{tmp}/out.gguf"],
+    "finetune": ["{tmp}/notes.txt", "--out", "{tmp}/ft"],
 }
 
 
@@ -69,8 +73,10 @@ def test_a_missing_model_folder_exits_1_for_every_command(
     (tmp_path / "notes.txt").write_text("one line\n")
     missing = str(tmp_path / "no-such-model")
     rest = [a.format(tmp=tmp_path) for a in REST[name]]
-    where = [missing] if not arg.option_strings else [arg.option_strings[-1], missing]
-    argv = [name, *where, *rest] if not arg.option_strings else [name, *rest, *where]
+    if arg.option_strings:  # --model PATH after the rest
+        argv = [name, *rest, arg.option_strings[-1], missing]
+    else:  # a positional model comes first
+        argv = [name, missing, *rest]
     assert main(argv) == 1, argv
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith(f"attnlab {name}: error: "), err
