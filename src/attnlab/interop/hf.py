@@ -123,6 +123,7 @@ def _ensure_registered() -> None:
         longformer,
         moe,
         qwen,
+        recurrent_gemma,
         ssm,
         t5,
     )

@@ -60,22 +60,27 @@ class BackgroundServer:
         api_key: see :func:`~attnlab.serving.openai_api.build_app`.
         max_seconds: the server stops itself after this long.
         access_log: a stream for one line per request (as ``attnlab serve`` logs them).
+        embeddings: an :class:`~attnlab.serving.embeddings.EmbeddingService` to serve
+            ``/v1/embeddings`` beside the engine (or alone, with ``engine=None``).
     """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | None,
         *,
         model_name: str = "attnlab",
         port: int = 0,
         api_key: str | None = None,
         max_seconds: float = 600.0,
         access_log: TextIO | None = None,
+        embeddings: Any = None,
     ) -> None:
         import uvicorn
 
-        self.async_engine = AsyncEngine(engine)
-        app: Any = build_app(self.async_engine, model_name=model_name, api_key=api_key)
+        self.async_engine = AsyncEngine(engine) if engine is not None else None
+        app: Any = build_app(
+            self.async_engine, model_name=model_name, api_key=api_key, embeddings=embeddings
+        )
         if access_log is not None:
             app = AccessLog(app, stream=access_log)
         # a long keep-alive: a client must not reuse a connection the server is closing
@@ -120,7 +125,8 @@ class BackgroundServer:
             self._timer.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
-        self.async_engine.shutdown()
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
