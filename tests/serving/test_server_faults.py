@@ -65,7 +65,7 @@ def _bad_bodies(name: str) -> list[tuple[str, str, str]]:
         ("/chat/completions", chat + ', "stream": true, "stream_options": [1]}', "stream_options"),
         (
             "/completions",
-            f'{{"model": "{name}", "prompt": "hi", "stream_options": {{"include_usage": "x"}}}}',
+            f'{{"model": "{name}", "prompt": "hi", "stream": true, "stream_options": {{"include_usage": "x"}}}}',
             "include_usage",
         ),
     ]

@@ -186,9 +186,7 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     )
     name = args.served_model_name or name
     app = AccessLog(
-        build_app(
-            async_engine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings
-        )
+        build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
     )
     blocks, size = engine.pool.num_blocks, engine.pool.block_size
     banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens)"
