@@ -205,6 +205,9 @@ NO_JSON = {
     "tests/serving/test_server_faults.py",
     "finetune": "needs a pretrained model folder and chat data; tests/cli/test_cli_finetune.py "
     "parses its --json report",
+    "chat": "needs a language model; tests/cli/test_cli_chat.py parses its --json answer",
+    "convert": "needs a model to convert; tests/cli/test_cli_chat.py parses its --json report",
+    "perplexity": "needs a language model; tests/analysis/test_perplexity.py parses its --json",
     "experiment": "trains models for minutes; its strict results.json is checked in tests/experiments",
 }
 
