@@ -122,6 +122,7 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        phi3,
         qwen,
         recurrent_gemma,
         ssm,
