@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnlab.backends.dispatch import dispatch
-from attnlab.functional._checks import check_attention_inputs, check_positions
+from attnlab.functional._checks import check_attention_inputs, check_mask_kind, check_positions
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import MaskPattern
 
@@ -142,6 +142,7 @@ def scaled_dot_product_attention(
             or ``scale``, positions of the wrong shape or range, an unknown backend.
     """
     _check_once(query, key, value, enable_gqa, dropout_p, scale)
+    check_mask_kind(attn_mask)
     if q_positions is not None or k_positions is not None:
         q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
     if isinstance(attn_mask, MaskPattern):

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.cost_model import Estimate
+from attnlab.functional._checks import check_mask_kind
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import MaskPattern
 
@@ -63,6 +64,7 @@ class AttentionCall:
         elif isinstance(attn_mask, MaskPattern):
             kind = "pattern"
         else:
+            check_mask_kind(attn_mask)  # a list or an array: named, before .dtype is read
             kind = "bool" if attn_mask.dtype == torch.bool else "float"
         needs_grad = (
             torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

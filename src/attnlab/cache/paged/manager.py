@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from attnlab._validate import check_positive_int
+from attnlab._validate import check_int, check_positive_int
 from attnlab.cache.paged.allocator import BlockAllocator, OutOfBlocks, block_hash
 
 __all__ = ["FREED", "KVManager", "OutOfBlocks", "SeqId"]
@@ -42,6 +42,12 @@ class _Sequence:
     hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
     hashable: bool = True  # token ids are known (False for rows of a plain generate)
     first_live: int = 0  # leading blocks freed behind a sliding window (entries are FREED)
+
+
+def _token_ids(name: str, tokens: Sequence[int]) -> list[int]:
+    """``tokens`` as a list of ints >= 0; a float, a bool or a negative id is refused
+    (``int(1.7)`` would silently make it token 1)."""
+    return [check_int(f"{name}[{i}]", t, min_value=0) for i, t in enumerate(tokens)]
 
 
 class KVManager:
@@ -138,7 +144,7 @@ class KVManager:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if len(tokens) == 0:
             raise ValueError("a sequence needs at least one token")
-        s = _Sequence(tokens=[int(t) for t in tokens])
+        s = _Sequence(tokens=_token_ids("tokens", tokens))
         self.seqs[seq_id] = s
         if self.prefix_caching:
             bs = self.block_size
@@ -154,7 +160,8 @@ class KVManager:
 
     def append_tokens(self, seq_id: SeqId, tokens: Sequence[int]) -> None:
         """Add known tokens (e.g. the one just sampled) to be computed by a later step."""
-        self._seq(seq_id).tokens.extend(int(t) for t in tokens)
+        s = self._seq(seq_id)
+        s.tokens.extend(_token_ids("tokens", tokens))
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Known tokens of a sequence."""
@@ -171,6 +178,7 @@ class KVManager:
     def blocks_needed(self, seq_id: SeqId, num_new: int) -> int:
         """Blocks :meth:`reserve` would allocate for ``num_new`` more tokens (copy-on-write included)."""
         s = self._seq(seq_id)
+        check_int("num_new", num_new, min_value=0)
         bs = self.block_size
         need = -(-(s.reserved + num_new) // bs) - len(s.blocks)
         if num_new > 0 and s.reserved % bs and self.allocator.refcount(s.blocks[-1]) > 1:
@@ -188,6 +196,7 @@ class KVManager:
             OutOfBlocks: not enough free blocks (nothing was allocated).
         """
         s = self._seq(seq_id)
+        check_int("num_new", num_new, min_value=0)
         need = self.blocks_needed(seq_id, num_new)
         if need > self.allocator.num_free:
             raise OutOfBlocks(

@@ -42,6 +42,7 @@ from attnlab.cache.kv_cache import ModelCache
 from attnlab.cache.paged.allocator import OutOfBlocks
 from attnlab.cache.paged.manager import KVManager, SeqId, _Sequence
 from attnlab.cache.paged.storage import KVStorage
+from attnlab.functional._checks import check_int
 
 __all__ = ["PagedKVPool", "StepBatch"]
 
@@ -268,9 +269,13 @@ class PagedKVPool:
         """
         if not rows:
             raise ValueError("a step needs at least one row")
+        row_ids = [sid for sid, _ in rows]
+        if len(set(row_ids)) != len(row_ids):
+            twice = sorted({repr(i) for i in row_ids if row_ids.count(i) > 1})
+            raise ValueError(f"a step runs each sequence once; {', '.join(twice)} appear twice")
         self._finish_implicit()
         seqs = [self._seq(sid) for sid, _ in rows]
-        num_new = [int(n) for _, n in rows]
+        num_new = [check_int("num_new", n, min_value=1) for _, n in rows]
         for (sid, n), s in zip(rows, seqs):
             if n <= 0 or s.computed + n > s.reserved:
                 raise ValueError(
