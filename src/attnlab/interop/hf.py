@@ -125,6 +125,7 @@ def _ensure_registered() -> None:
         phi3,
         qwen,
         recurrent_gemma,
+        roberta,
         ssm,
         t5,
     )

@@ -54,6 +54,9 @@ class EncoderConfig(ConfigBase):
         rope_theta: RoPE's base.
         gradient_checkpointing: recompute each layer in the backward instead of keeping
             its activations (training only).
+        model_type: the transformers ``model_type`` this config describes (``"roberta"``,
+            ``"xlm-roberta"``, ``"distilbert"``...), which ``to_hf`` converts to when several
+            share the same computation; None: inferred from the components.
     """
 
     vocab_size: int = 30522
@@ -75,6 +78,7 @@ class EncoderConfig(ConfigBase):
     position_embedding_type: str = "absolute"
     rope_theta: float = 10000.0
     gradient_checkpointing: bool = False
+    model_type: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -118,6 +122,8 @@ class EncoderConfig(ConfigBase):
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
         check_real("rope_theta", self.rope_theta, gt=0.0)
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise TypeError(f"model_type must be a str or None, got {self.model_type!r}")
         if self.attention_window is not None:
             w = self.attention_window
             if isinstance(w, list):
