@@ -9,12 +9,18 @@
    off (``attn_logit_softcapping=None``, ``final_logit_softcapping=None``) and is switched
    to sdpa after construction; everything else is Gemma 2 (sandwich norms, scaled
    embeddings, ``query_pre_attn_scalar``, GeGLU).
-2. ``decode``: greedy tokens/s of a Qwen3-shaped decoder (per-head QK-norm) against the
+2. ``encoder``: a ModernBERT-shaped encoder (6 layers, hidden 384, 6 heads, GeGLU 576,
+   local windows of 128 with a global layer every third) on 64 rows of mixed lengths
+   (uniform in 16..512): attnlab's unpadded forward (``unpad=True``: the real tokens
+   packed into rows with a ``document`` pattern, no compute on padding) against
+   transformers' padded forward (sdpa), same weights, states compared at the real tokens.
+3. ``decode``: greedy tokens/s of a Qwen3-shaped decoder (per-head QK-norm) against the
    Llama-shaped decoder of the same size and vocabulary (32000), both attnlab, alternating.
 
 Usage::
 
     python benchmarks/families.py prefill --seq-len 8192 --repeats 3 [--update-docs]
+    python benchmarks/families.py encoder --repeats 3 [--update-docs]
     python benchmarks/families.py decode --repeats 5 [--update-docs]
 """
 
@@ -36,6 +42,7 @@ from _common import time_interleaved, write_section
 
 PREFILL_HEADING = "## Gemma-2-shaped prefill (issue 25)"
 DECODE_HEADING = "## Qwen3 decode against Llama decode (issue 25)"
+ENCODER_HEADING = "## ModernBERT-shaped encoder, unpadded against padded (issue 25)"
 GEMMA = dict(
     vocab_size=1000,
     hidden_size=512,
@@ -118,6 +125,66 @@ def prefill(args: argparse.Namespace) -> str:
     )
 
 
+def encoder(args: argparse.Namespace) -> str:
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(0)
+    cfg = ModernBertConfig(
+        vocab_size=1000,
+        hidden_size=384,
+        intermediate_size=576,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        max_position_embeddings=512,
+        local_attention=128,
+        global_attn_every_n_layers=3,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    hf = ModernBertModel(cfg).eval()
+    ours = attnlab.from_hf(hf)
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(16, 513, (64,), generator=g)
+    ids = torch.randint(3, 1000, (64, int(lengths.max())), generator=g)
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    keep = mask.bool()
+    with torch.inference_mode():
+        a = ours(input_ids=ids, attention_mask=mask, unpad=True).last_hidden_state
+        b = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+        diff = float((a[keep] - b[keep]).abs().max())
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        times = time_interleaved(
+            {
+                "attnlab, unpadded": lambda: ours(input_ids=ids, attention_mask=mask, unpad=True),
+                "attnlab, padded": lambda: ours(input_ids=ids, attention_mask=mask),
+                "transformers, padded (sdpa)": lambda: hf(input_ids=ids, attention_mask=mask),
+            },
+            rounds=args.repeats,
+            warmup=0,
+            clock=clock,
+        )
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    ref = med["transformers, padded (sdpa)"]
+    rows = ["| | forward, s | speed-up |", "|---|---|---|"]
+    rows += [f"| {k} | {v:.2f} | {ref / v:.2f}x |" for k, v in med.items()]
+    real, padded = int(mask.sum()), mask.numel()
+    return "\n".join(
+        [
+            f"Command: `python benchmarks/families.py encoder --repeats {args.repeats} "
+            f"--clock {args.clock}`",
+            "",
+            f"ModernBERT-shaped encoder (6 layers, hidden 384, 6 heads, GeGLU 576, windows of "
+            f"128 with layers 0 and 3 global), 64 rows of 16..512 tokens ({real} real tokens "
+            f"of {padded} padded), float32, median of {args.repeats} alternating runs, "
+            f"{args.clock} clock; {machine()}; max |state difference| at real tokens "
+            f"{diff:.2e}:",
+            "",
+            *rows,
+        ]
+    )
+
+
 def _decoders(vocab: int) -> dict[str, Any]:
     from attnlab.models import DecoderLM
     from attnlab.models.decoder_config import DecoderConfig
@@ -176,7 +243,7 @@ def decode(args: argparse.Namespace) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["prefill", "decode"])
+    p.add_argument("what", choices=["prefill", "encoder", "decode"])
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new", type=int, default=128)
@@ -186,10 +253,15 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    body = prefill(args) if args.what == "prefill" else decode(args)
+    run, heading = {
+        "prefill": (prefill, PREFILL_HEADING),
+        "encoder": (encoder, ENCODER_HEADING),
+        "decode": (decode, DECODE_HEADING),
+    }[args.what]
+    body = run(args)
     print(body)
     if args.update_docs:
-        write_section(PREFILL_HEADING if args.what == "prefill" else DECODE_HEADING, body)
+        write_section(heading, body)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ def _ensure_registered() -> None:
         lfm2,
         llama,
         longformer,
+        modernbert,
         moe,
         phi3,
         qwen,
