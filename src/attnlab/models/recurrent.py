@@ -27,6 +27,7 @@ from attnlab.functional._checks import check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
+from attnlab.modules.linear import make_linear
 from attnlab.modules.mamba import Mamba2Mixer, MambaMixer
 from attnlab.modules.norms import RMSNorm
 from attnlab.modules.retention import MultiScaleRetention
@@ -44,6 +45,19 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
         labels[:, 1:].reshape(-1).to(logits.device),
         ignore_index=-100,
     )
+
+
+def _check_state_dtype(cache: ModelCache, dtype: torch.dtype) -> None:
+    """A cache continued by this model holds states of the dtype it computes in."""
+    for i, layer in enumerate(cache.layers):
+        held: list[Tensor] = getattr(layer, "_tensors", list)()
+        other = next((t.dtype for t in held if t.dtype != dtype), None)
+        if other is not None:
+            raise TypeError(
+                f"past_key_values: layer {i} holds {other} states, written by a model of "
+                f"another dtype; this model computes in {dtype} (start a new cache, or "
+                "convert the model to the cache's dtype)"
+            )
 
 
 class RecurrentLM(nn.Module):
@@ -126,6 +140,8 @@ class RecurrentLM(nn.Module):
                 f"past_key_values has {len(cache.layers)} layer states, the model has "
                 f"{len(self.layers)} layers"
             )
+        if cache is not None:
+            _check_state_dtype(cache, x.dtype)
         start = cache.length if cache is not None else 0
         mask, positions = self._mask_and_positions(attention_mask, position_ids, b, start, n, x)
         x = self._embed(x)
@@ -174,6 +190,14 @@ class RecurrentLM(nn.Module):
                 raise ValueError(
                     f"inputs_embeds must be (batch, seq_len, {d}), got {tuple(inputs_embeds.shape)}"
                 )
+            want = self.embed_tokens.weight.dtype
+            if inputs_embeds.dtype != want:
+                raise TypeError(
+                    f"inputs_embeds is {inputs_embeds.dtype}, the model's weights are {want}: "
+                    f"pass inputs_embeds.to({want}) or convert the model"
+                )
+            if inputs_embeds.shape[1] == 0:
+                raise ValueError("inputs_embeds has no tokens (seq_len 0); pass at least one")
             return inputs_embeds
         assert input_ids is not None
         check_tensor("input_ids", input_ids)
@@ -181,6 +205,10 @@ class RecurrentLM(nn.Module):
             raise ValueError(
                 f"input_ids must be integer (batch, seq_len), got {input_ids.dtype} "
                 f"{tuple(input_ids.shape)}"
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids has no tokens (shape {tuple(input_ids.shape)}); pass at least one"
             )
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= v):
             raise ValueError(
@@ -296,7 +324,7 @@ class MambaLM(RecurrentLM):
         )
         self.norm_f = RMSNorm(d, eps=config.norm_eps)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
 
     def _new_state(self, layer: int) -> RecurrentState:
@@ -356,7 +384,7 @@ class RWKVLM(RecurrentLM):
         self.layers = nn.ModuleList(RWKVBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
 
     def _embed(self, x: Tensor) -> Tensor:
@@ -374,9 +402,9 @@ class GLU(nn.Module):
 
     def __init__(self, *, embed_dim: int, hidden_dim: int, activation: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(embed_dim, hidden_dim, bias=False)
-        self.gate = nn.Linear(embed_dim, hidden_dim, bias=False)
-        self.fc2 = nn.Linear(hidden_dim, embed_dim, bias=False)
+        self.fc1 = make_linear(embed_dim, hidden_dim, bias=False)
+        self.gate = make_linear(embed_dim, hidden_dim, bias=False)
+        self.fc2 = make_linear(hidden_dim, embed_dim, bias=False)
         self.act = F.gelu if activation == "gelu" else F.silu
 
     def forward(self, x: Tensor) -> Tensor:
@@ -436,7 +464,7 @@ class RetNetLM(RecurrentLM):
         self.layers = nn.ModuleList(RetNetBlock(config) for _ in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(d, eps=config.norm_eps)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
 
     def _embed(self, x: Tensor) -> Tensor:

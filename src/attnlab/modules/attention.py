@@ -46,6 +46,7 @@ from attnlab.functional._checks import (
 )
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
 from attnlab.functional.masks import combine, padding, padding_mask
+from attnlab.modules.linear import make_linear
 
 __all__ = ["MultiHeadAttention"]
 
@@ -141,10 +142,10 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         self.rotary = rotary
         self.scale = scale
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
-        self.out_proj = nn.Linear(
+        self.q_proj = make_linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = make_linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = make_linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.out_proj = make_linear(
             num_heads * head_dim, embed_dim, bias=bias if out_bias is None else out_bias
         )
         self.q_norm = q_norm
@@ -279,6 +280,14 @@ class MultiHeadAttention(nn.Module):
             )
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key length {key.shape[1]} != value length {value.shape[1]}")
+        want = self.q_proj.weight.dtype
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            mixed = t.dtype != want and not torch.is_autocast_enabled(t.device.type)
+            if not t.is_floating_point() or mixed:  # not the projection's "mat1 and mat2"
+                raise TypeError(
+                    f"{name} is {t.dtype}; this module's weights are {want}: pass {want} "
+                    "hidden states (token ids go through an embedding first)"
+                )
 
     @staticmethod
     def _with_padding(attn_mask: AttnMask, attention_mask: Tensor, b: int, s: int) -> AttnMask:
