@@ -24,6 +24,7 @@ __all__ = [
     "StreamOptions",
     "chat_messages",
     "check_fields",
+    "check_text",
     "compatibility_table",
     "sampling_params",
     "stream_options",
@@ -169,6 +170,25 @@ def compatibility_table() -> str:
         lines.append(f"| `{n}` | " + " | ".join(_status(t.get(n)) for t in tables) + " |")
     lines.append("| any other field | refused | refused | refused |")
     return "\n".join(lines)
+
+
+def check_text(body: Any) -> None:
+    """Refuse strings that are not Unicode text (a lone surrogate such as ``"\\ud800"``)."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(
+                    400, "the request holds a string that is not valid Unicode (a lone surrogate)"
+                ) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def check_fields(body: dict[str, Any], fields: dict[str, FieldRule]) -> None:
