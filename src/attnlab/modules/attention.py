@@ -21,16 +21,11 @@ are score modifiers attached to the mask pattern (``pattern.with_scores(...)``),
 every backend evaluates on the call's query/key positions (``q_positions``,
 ``k_positions``; ``docs/contracts.md``, section 1), tile by tile where it can.
 
-The model path is ``forward(x, plan, cache)``: ``plan`` is the
-:class:`~attnlab.backends.plan.AttentionPlan` the model built once for the forward
-(pattern, slots, positions, backend chosen, KV layout), ``cache`` the layer's cache (a
-:class:`~attnlab.cache.KVCache`, which turns the new keys/values into the plan's
-:class:`~attnlab.backends.plan.KVView`, or a :class:`~attnlab.cache.CrossAttentionCache`),
-and ``context=`` the key/value input of cross-attention. The layer asks the registry
-nothing and validates nothing on that path. Without a plan, the keywords
-(``attention_mask``, ``attn_mask``, ``is_causal``, ``need_weights``, ``positions``,
-``cache_start``) describe the call for direct use, validated, through the public
-:func:`attnlab.functional.scaled_dot_product_attention`.
+The model path is ``forward(x, plan, cache)`` (``context=`` for cross-attention): the
+:class:`~attnlab.backends.plan.AttentionPlan` built once per forward, and the layer's
+cache, which turns the new keys/values into the plan's ``KVView``; nothing is asked of
+the registry or validated there. Without a plan, keywords describe the call for direct
+use, validated, through the public ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
