@@ -113,7 +113,7 @@ def prefill(args: argparse.Namespace) -> str:
     return "\n".join(
         [
             f"Command: `python benchmarks/families.py prefill --seq-len {args.seq_len} "
-            f"--repeats {args.repeats} --clock {args.clock}`",
+            f"--repeats {args.repeats} --clock {args.clock} --threads {torch.get_num_threads()}`",
             "",
             f"Gemma-2-shaped prefill (8 layers, hidden 512, 8 heads, 4 KV heads, window 1024 "
             f"on layers 0, 2, 4, 6), {args.seq_len} tokens, batch 1, float32, last token's "
@@ -172,7 +172,7 @@ def encoder(args: argparse.Namespace) -> str:
     return "\n".join(
         [
             f"Command: `python benchmarks/families.py encoder --repeats {args.repeats} "
-            f"--clock {args.clock}`",
+            f"--clock {args.clock} --threads {torch.get_num_threads()}`",
             "",
             f"ModernBERT-shaped encoder (6 layers, hidden 384, 6 heads, GeGLU 576, windows of "
             f"128 with layers 0 and 3 global), 64 rows of 16..512 tokens ({real} real tokens "
@@ -229,7 +229,7 @@ def decode(args: argparse.Namespace) -> str:
     return "\n".join(
         [
             f"Command: `python benchmarks/families.py decode --repeats {args.repeats} "
-            f"--new {args.new} --clock {args.clock}`",
+            f"--new {args.new} --clock {args.clock} --threads {torch.get_num_threads()}`",
             "",
             f"Greedy `generate`, {args.new} new tokens after 16, 4 layers, hidden 256, 8 heads, "
             f"2 KV heads, vocab 32000, float32, median of {args.repeats} alternating runs, "
