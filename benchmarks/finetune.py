@@ -136,10 +136,11 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     packed = [packed_batch(examples, rows[i : i + args.micro], args.max_len, pad)
               for i in range(0, len(rows), args.micro)]  # fmt: skip
     order = sorted(range(len(examples)), key=lambda i: lengths[i])
-    grouped = [padded_batch(examples, order[i : i + args.micro], pad)
-               for i in range(0, len(order), args.micro)]  # fmt: skip
-    plain = [padded_batch(examples, list(range(i, min(i + args.micro, len(examples)))), pad)
-             for i in range(0, len(examples), args.micro)]  # fmt: skip
+    per = args.examples_per_forward
+    grouped = [padded_batch(examples, order[i : i + per], pad)
+               for i in range(0, len(order), per)]  # fmt: skip
+    plain = [padded_batch(examples, list(range(i, min(i + per, len(examples)))), pad)
+             for i in range(0, len(examples), per)]  # fmt: skip
     peft_model = _peft_model(base, args)
     ours = _lora(base, args)
     choice = choose_layout(ours, lengths, max_len=args.max_len, batch_size=args.micro)
@@ -244,9 +245,9 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
     if sp is not None:
         lines += [
             f"One step = {sp['examples_per_step']} chat examples ({sp['tokens_per_step']} tokens, "
-            f"{sp['lengths'][0]}-{sp['lengths'][1]} per example), micro batches of "
-            f"{args.micro} rows, one thread, process time, median of {args.rounds} alternating "
-            "rounds.",
+            f"{sp['lengths'][0]}-{sp['lengths'][1]} per example); forwards of {args.micro} packed "
+            f"rows of {args.max_len} or {args.examples_per_forward} padded examples; one thread, "
+            f"process time, median of {args.rounds} alternating rounds.",
             "",
             "| side | step (ms) | padding share | vs peft |",
             "|---|---|---|---|",
@@ -279,8 +280,11 @@ def main() -> None:
     )
     p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     p.add_argument("--examples", type=int, default=24, help="chat examples per step")
-    p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--micro", type=int, default=4, help="rows per forward")
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--micro", type=int, default=2, help="packed rows per forward")
+    p.add_argument(
+        "--examples-per-forward", type=int, default=4, help="padded examples per forward"
+    )
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-speed", action="store_true")

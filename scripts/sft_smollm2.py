@@ -68,7 +68,7 @@ def main() -> None:
         model=str(gguf), data=str(data), out_dir=str(out), lora_rank=args.rank,
         lora_alpha=2.0 * args.rank, lora_dropout=0.05, qlora=args.qlora, max_len=args.max_len,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=5,
-        eval_every=max(1, args.steps // 4), progress=False,
+        eval_every=max(1, args.steps // 2), progress=False,
     )  # fmt: skip
     summary = finetune(config)
     merged = attnlab.from_hf(out / "merged")

@@ -12,9 +12,10 @@ from attnlab.cli.main import main
 def test_serve_rejects_a_folder_without_a_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["serve", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "no config.json" in err
+    assert main(["serve", str(tmp_path)]) == 1  # a damaged model folder: ModelFileError
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("loading ") and len(lines) == 2  # what it loads, then one error
+    assert lines[1].startswith("attnlab serve: error:") and "no config.json" in lines[1]
 
 
 @pytest.mark.parametrize(
@@ -35,3 +36,11 @@ def test_serve_rejects_a_bad_number(
     assert err.count("\n") == 0 and flag in err and value in err
     if flag == "--port" and value != "http":
         assert "[1, 65535]" in err
+
+
+def test_serve_embeddings_needs_a_sentence_transformers_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", str(tmp_path), "--embeddings", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("attnlab serve: error: --embeddings") and "modules.json" in err[-1]

@@ -118,3 +118,37 @@ def test_errors_name_the_values():
     apply_lora(model, ["layers.0.self_attention.q_proj"], rank=1, alpha=1)
     with pytest.raises(ValueError, match="already has a LoRA adapter"):
         apply_lora(model, ["layers.0.self_attention.q_proj"], rank=1, alpha=1)
+
+
+def test_gradient_checkpointing_and_bf16_autocast_keep_the_adapters_training():
+    model = _model()
+    apply_lora(
+        model,
+        ["layers.0.self_attention.q_proj", "layers.1.feed_forward.down_proj"],
+        rank=2,
+        alpha=4,
+    )
+    for _, m in lora_modules(model):
+        nn.init.normal_(m.lora_B.weight, std=0.1)
+    model.train()
+    ids = torch.randint(0, 61, (2, 9))
+
+    def grads(ckpt: bool) -> dict[str, torch.Tensor]:
+        model.config.gradient_checkpointing = ckpt
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain.keys() == ckpt.keys() and len(plain) == 4
+    for n in plain:
+        torch.testing.assert_close(ckpt[n], plain[n], atol=1e-6, rtol=1e-5)
+    model.config.gradient_checkpointing = False
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad, plain[n], atol=0.05, rtol=0.1)

@@ -99,3 +99,23 @@ def test_logits_match_transformers_on_the_first_layers(smollm2_file: Path, tmp_p
         a, b = ours(input_ids=ids).logits, hf(ids).logits
     assert a.shape == (1, 12, 49152)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_perplexity_matches_transformers_on_the_first_layers(
+    smollm2: torch.nn.Module, smollm2_file: Path, tmp_path: Path
+) -> None:
+    from attnlab.analysis.perplexity import strided_perplexity
+
+    path = _first_layers(smollm2_file, tmp_path / "smollm2-2layers.gguf", 2)
+    ours = attnlab.from_gguf(path, tokenizer=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    import pydoc_data.topics
+
+    text = pydoc_data.topics.topics["assert"]
+    ids = smollm2.tokenizer.encode(text)[:300]
+    a = strided_perplexity(ours, ids, context=128, stride=64)
+    b = strided_perplexity(hf, ids, context=128, stride=64)
+    assert a.tokens == b.tokens == len(ids) - 1 and a.windows == b.windows
+    assert a.perplexity == pytest.approx(b.perplexity, rel=1e-4)

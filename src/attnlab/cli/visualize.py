@@ -20,7 +20,10 @@ def add_parser(sub: Any) -> None:
         epilog="example:\n  attnlab visualize --text 'the cat sat on the mat' --out attention/",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="a local Hugging Face model folder (default all-MiniLM-L6-v2)")
+    p.add_argument(
+        "--model",
+        help="a local Hugging Face model folder or a .gguf file (default all-MiniLM-L6-v2)",
+    )
     p.add_argument("--text", default="time flies like an arrow", help="the text to look at")
     p.add_argument("--out", default="attnlab-attention", help="output folder")
     p.add_argument("--json", action="store_true", help="print the written files as JSON")

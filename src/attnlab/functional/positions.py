@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 RopeConvention = Literal["half", "interleaved"]
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 # --------------------------------------------------------------------------- sinusoidal
@@ -106,7 +106,7 @@ def check_rope_parameters(
     if rope_type == "default":
         return params
     factor = params.get("factor")
-    if factor is None and rope_type != "yarn":
+    if factor is None and rope_type not in ("yarn", "longrope"):
         raise ValueError(
             f"rope_scaling of type {rope_type!r} needs a 'factor' (a number >= 1, the context "
             f"extension), got {params}"
@@ -129,6 +129,8 @@ def check_rope_parameters(
                 "llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
                 f"{params['high_freq_factor']!r} and {params['low_freq_factor']!r}"
             )
+    if rope_type == "longrope":
+        _check_longrope(params)
     if rope_type == "yarn":
         for key in ("attention_factor", "beta_fast", "beta_slow"):
             if params.get(key) is not None:
@@ -137,6 +139,29 @@ def check_rope_parameters(
             if params.get(key) is not None:
                 check_real(f"rope_scaling[{key!r}]", params[key])
     return params
+
+
+def _check_longrope(params: Mapping[str, Any]) -> None:
+    if params.get("original_max_position_embeddings") is None:
+        raise ValueError(
+            f"longrope rope_scaling needs 'original_max_position_embeddings'; got {dict(params)}"
+        )
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if not isinstance(factors, list | tuple) or not factors:
+            raise ValueError(
+                f"longrope rope_scaling needs {key!r}, a list of one number per rotated "
+                f"feature pair; got {factors!r}"
+            )
+        for i, f in enumerate(factors):
+            check_real(f"rope_scaling[{key!r}][{i}]", f, gt=0.0)
+    if len(params["short_factor"]) != len(params["long_factor"]):
+        raise ValueError(
+            f"longrope short_factor and long_factor differ in length: "
+            f"{len(params['short_factor'])} and {len(params['long_factor'])}"
+        )
+    if params.get("attention_factor") is not None:
+        check_real("rope_scaling['attention_factor']", params["attention_factor"], gt=0.0)
 
 
 def _base_inv_freq(dim: int, base: float) -> Tensor:
@@ -167,6 +192,11 @@ def rope_inv_freq(
     * ``"llama3"``: Llama 3's frequency-dependent scaling (Meta, 2024): wavelengths longer
       than ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
       ``original_max / high_freq_factor`` kept, smoothly blended between.
+    * ``"longrope"``: LongRoPE (Ding et al., 2024; Phi-3): one rescale factor per
+      frequency, ``theta_i / ext_i``, with ``ext = short_factor`` while ``seq_len`` stays
+      within ``original_max_position_embeddings`` and ``long_factor`` beyond it; cos and
+      sin are multiplied by ``sqrt(1 + ln(f) / ln(original_max))``, ``f = max_pos /
+      original_max`` (or ``factor``).
 
     Args:
         dim: rotary width (the head dim, or the rotated part of it); even.
@@ -203,6 +233,8 @@ def rope_inv_freq(
         return _base_inv_freq(dim, new_base), 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(dim, base, params, original), 1.0
+    if rope_type == "longrope":
+        return _longrope_inv_freq(dim, base, params, original, max_position_embeddings, seq_len)
     return _yarn_inv_freq(dim, base, params, original, max_position_embeddings)
 
 
@@ -223,6 +255,30 @@ def _llama3_inv_freq(dim: int, base: float, p: Mapping[str, Any], original: int)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _longrope_inv_freq(
+    dim: int,
+    base: float,
+    p: Mapping[str, Any],
+    original: int,
+    max_pos: int,
+    seq_len: int | None,
+) -> tuple[Tensor, float]:
+    factor = float(p.get("factor") or max_pos / original)
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    chosen = p["long_factor"] if seq_len and seq_len > original else p["short_factor"]
+    if len(chosen) != dim // 2:
+        raise ValueError(
+            f"longrope factors have {len(chosen)} entries; the rotary dim {dim} needs {dim // 2}"
+        )
+    ext = torch.tensor(chosen, dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**shape), float(attention_factor)
 
 
 def _yarn_inv_freq(

@@ -169,10 +169,16 @@ def stream(
     # models without a trusted decode step (recurrent, encoder-decoder) run their forward
     step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
     backend: str | None = None
+    # LongRoPE switches its frequencies once the sequence passes its original length: at
+    # that slot the whole sequence is encoded again (as transformers' Phi-3 does)
+    again_at = getattr(model, "prefill_again_at", None)
+    tokens = [input_ids] if again_at is not None and p <= again_at < needed else None
     for step in range(max_new_tokens):
         tok = choose(logits)
         if eos is not None:
             tok = tok.masked_fill(finished, pad_token_id)
+        if tokens is not None:
+            tokens.append(tok[:, None])
         yield tok
         if eos is not None:
             finished |= torch.isin(tok, eos)
@@ -181,7 +187,17 @@ def stream(
         if step + 1 == max_new_tokens:
             return
         slot = p + step
-        if compile:  # the slot as a tensor and the whole mask: the same graph every step
+        if tokens is not None and slot == again_at:
+            cache.reset()
+            logits = model(
+                torch.cat(tokens, dim=1),
+                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+            tokens = None
+        elif compile:  # the slot as a tensor and the whole mask: the same graph every step
             start = torch.tensor(slot, device=device)
             if backend is None:  # asked once, eagerly: the registry's context is not traced
                 backend = model.decode_backend(  # type: ignore[operator]
@@ -261,10 +277,12 @@ def _static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
             f"compile=True compiles a decoder-only model's decode step; {type(model).__name__} "
             "has none: use compile=False"
         )
-    if (getattr(config, "rope_scaling", None) or {}).get("rope_type") == "dynamic":
+    rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
+    if rope_type in ("dynamic", "longrope"):
         raise ValueError(
-            "compile=True needs fixed RoPE frequencies; dynamic NTK scaling changes them "
-            "with the length: use compile=False"
+            "compile=True needs fixed RoPE frequencies; "
+            + ("dynamic NTK" if rope_type == "dynamic" else "LongRoPE")
+            + " scaling changes them with the length: use compile=False"
         )
     if cache is None:
         # Lengths rounded up to a bucket: one compiled graph serves many prompt lengths

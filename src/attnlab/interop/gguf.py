@@ -119,7 +119,7 @@ def _hf_weights(
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(names, desc=f"loading {gguf.path.name}", unit="tensor", leave=False)
+        it = tqdm(names, desc=f"loading {gguf.path.name}", unit="tensor", leave=False, disable=None)
     out: dict[str, Tensor] = {}
     for name in it:
         w = gguf.tensor(name, dtype)

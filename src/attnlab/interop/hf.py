@@ -122,7 +122,9 @@ def _ensure_registered() -> None:
         llama,
         longformer,
         moe,
+        phi3,
         qwen,
+        recurrent_gemma,
         ssm,
         t5,
     )
@@ -149,7 +151,8 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
 
     Args:
         model_or_local_dir: a ``transformers.PreTrainedModel`` (e.g. ``BertModel``),
-            or the path of a local folder with ``config.json`` and safetensors weights.
+            the path of a local folder with ``config.json`` and safetensors weights, or a
+            ``.gguf`` file (:func:`attnlab.interop.gguf.from_gguf`).
 
     Returns:
         The attnlab model, in eval mode, in the weights' dtype.
@@ -161,6 +164,10 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
     """
     if isinstance(model_or_local_dir, str | Path):
         folder = Path(model_or_local_dir)
+        if folder.is_file() and folder.suffix.lower() == ".gguf":
+            from attnlab.interop.gguf import from_gguf
+
+            return from_gguf(folder)  # type: ignore[no-any-return]
         if not folder.is_dir():
             what = "does not exist" if not folder.exists() else "is not a folder"
             raise ModelFileError(

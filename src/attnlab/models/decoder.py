@@ -220,6 +220,9 @@ class DecoderLM(nn.Module):
             self.rotary = next((r for r in layer_rotary if r is not None), None)
         elif config.position_embedding == "alibi":
             self.alibi_slopes = alibi_slopes(config.num_attention_heads)
+        # ALiBi and soft-capping, made once (a compiled step builds no Python objects)
+        self._score_mods = score_mods(config, self.alibi_slopes)
+        self._unscored = len(self._score_mods) == 0
         #: each layer's sliding window (None: global attention)
         self.layer_windows = tuple(config.layer_window(i) for i in range(config.num_hidden_layers))
         self.layers = nn.ModuleList(
@@ -235,6 +238,15 @@ class DecoderLM(nn.Module):
         #: transformers tokenizer, and generation defaults under transformers' names
         self.tokenizer: Any = None
         self.generation_config: dict[str, Any] = {}
+
+    @property
+    def prefill_again_at(self) -> int | None:
+        """The slot at which ``generate`` encodes the whole sequence again: LongRoPE's
+        ``original_max_position_embeddings`` (its frequencies change past it), else None."""
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
 
     def num_parameters(self) -> int:
         """Number of parameters (tied matrices counted once)."""
@@ -622,8 +634,8 @@ class DecoderLM(nn.Module):
         all: a prompt with no cache, padding, window or bias (torch's causal kernel), and
         one new token against a contiguous cache of every earlier slot (it sees them all).
         """
-        mods = score_mods(self.config, self.alibi_slopes)
-        plain = mask is None and window is None and not mods and extra is None
+        mods = self._score_mods
+        plain = mask is None and window is None and self._unscored and extra is None
         contiguous = first is None or isinstance(first, DynamicKVCache)
         if plain and contiguous and isinstance(start, int):
             if start == 0:

@@ -350,6 +350,27 @@ class DecoderConfig(ConfigBase):
         )
         return cls(**(base | overrides))
 
+    @classmethod
+    def phi3(cls, **overrides: Any) -> DecoderConfig:
+        """Phi-3 (Abdin et al., 2024): Llama's computation (its fused ``qkv_proj`` and
+        ``gate_up_proj`` are a checkpoint layout, split on load); LongRoPE by
+        ``rope_scaling={"rope_type": "longrope", ...}``, partial rotary by
+        ``partial_rotary_factor``."""
+        return cls(**(dict(model_type="phi3") | overrides))
+
+    @classmethod
+    def smollm3(cls, *, no_rope_every: int = 4, **overrides: Any) -> DecoderConfig:
+        """SmolLM3 (Hugging Face, 2025): Llama's components, GQA, tied embeddings, and no
+        RoPE in every ``no_rope_every``-th layer (NoPE layers, Kazemnejad et al., 2023)."""
+        n = overrides.get("num_hidden_layers", cls.num_hidden_layers)
+        base: dict[str, Any] = dict(
+            tie_word_embeddings=True,
+            rope_theta=5e6,
+            model_type="smollm3",
+            layers=tuple(LayerSpec(rope=(i + 1) % no_rope_every != 0) for i in range(n)),
+        )
+        return cls(**(base | overrides))
+
 
 def _gemma_base(
     overrides: dict[str, Any],

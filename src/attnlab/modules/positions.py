@@ -100,7 +100,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary embeddings with optional scaling (linear, dynamic NTK, YaRN, Llama 3).
+    """Rotary embeddings with optional scaling (linear, dynamic NTK, YaRN, Llama 3, LongRoPE).
 
     Args:
         dim: number of rotated features per head (the head dim, or less for partial RoPE).
@@ -111,8 +111,9 @@ class RotaryEmbedding(nn.Module):
         convention: ``"half"`` (Llama, GPT-NeoX) or ``"interleaved"`` (GPT-J, the paper).
 
     Dynamic NTK recomputes the frequencies from the largest position of each call
-    (``max(positions) + 1``), as transformers does while it generates; other types
-    are fixed at construction.
+    (``max(positions) + 1``), as transformers does while it generates, and LongRoPE
+    switches from its short to its long factors on the same length; other types are
+    fixed at construction.
 
     Raises:
         ValueError: unknown scaling type or convention, odd ``dim``.
@@ -156,6 +157,18 @@ class RotaryEmbedding(nn.Module):
         if memo is not None and memo[0] is positions:
             return memo[1], memo[2]
         inv_freq = self.inv_freq
+        if self.rope_type == "longrope" and positions.numel():
+            # transformers' switch: the long factors once a position passes the original length
+            seq_len = int(positions.max()) + 1
+            if seq_len > int((self.scaling or {})["original_max_position_embeddings"]):
+                inv_freq, _ = rope_inv_freq(
+                    self.dim,
+                    base=self.base,
+                    scaling=self.scaling,
+                    max_position_embeddings=self.max_position_embeddings,
+                    seq_len=seq_len,
+                )
+                inv_freq = inv_freq.to(positions.device)
         if self.rope_type == "dynamic" and positions.numel():
             seq_len = int(positions.max()) + 1
             if seq_len > self.max_position_embeddings:

@@ -142,6 +142,7 @@ class ChatRoutes(Routes):
                         yield chunk(d.index, {}, reason, None)
         except APIError as e:
             yield sse(e.body())
+        totals = usage(len(ids), generated)
         if opts.include_usage:
-            yield sse(base | {"choices": [], "usage": usage(len(ids), generated)})
+            yield sse(base | {"choices": [], "usage": totals})
         yield "data: [DONE]\n\n"

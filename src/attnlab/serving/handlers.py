@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from attnlab.serving.access_log import record_usage
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.engine import CompletionDelta, QueueFull, RequestOutput, TokenLogprob
 from attnlab.serving.params import ParamError, SamplingParams
@@ -52,11 +53,13 @@ def _check_text(body: Any) -> None:
 
 
 def usage(prompt_tokens: int, generated: int) -> dict[str, int]:
-    return {
+    totals = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": generated,
         "total_tokens": prompt_tokens + generated,
     }
+    record_usage(totals)  # for the request's access-log line
+    return totals
 
 
 def stream_flag(body: dict[str, Any]) -> bool:
@@ -314,6 +317,7 @@ class Routes:
                     yield sse(chunk)
         except APIError as e:
             yield sse(e.body())
+        totals = usage(prompt_tokens, generated)
         if opts.include_usage:
-            yield sse(base | {"choices": [], "usage": usage(prompt_tokens, generated)})
+            yield sse(base | {"choices": [], "usage": totals})
         yield "data: [DONE]\n\n"

@@ -27,7 +27,7 @@ __all__ = ["APIError", "build_app"]
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | None,
     *,
     model_name: str,
     api_key: str | None = None,
@@ -37,7 +37,8 @@ def build_app(
     """The FastAPI application serving ``engine`` under the name ``model_name``.
 
     Args:
-        engine: the engine (its thread is started and stopped with the app).
+        engine: the engine (its thread is started and stopped with the app), or None for
+            a server of embeddings only (no completions, no chat).
         model_name: the model id clients pass as ``model``.
         api_key: when set, ``Authorization: Bearer <api_key>`` is required on ``/v1/``.
         default_chat_max_tokens: ``max_tokens`` of a chat request that gives none
@@ -53,26 +54,26 @@ def build_app(
 
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, PlainTextResponse, Response
+        from fastapi.responses import JSONResponse, Response
         from starlette.exceptions import HTTPException
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "attnlab serve needs FastAPI and uvicorn: pip install 'attnlab[serve]'"
         ) from e
 
-    eng = engine.engine
     created = int(time.time())
-    routes = ChatRoutes(engine, model_name, default_chat_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        engine.start()
+        if engine is not None:
+            engine.start()
         if embeddings is not None:
             embeddings.start()
         try:
             yield
         finally:
-            engine.shutdown()
+            if engine is not None:
+                engine.shutdown()
             if embeddings is not None:
                 embeddings.shutdown()
 
@@ -107,11 +108,13 @@ def build_app(
     def card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "attnlab"}
 
-    names = [model_name] + ([embeddings.model_name] if embeddings is not None else [])
+    names = ([model_name] if engine is not None else []) + (
+        [embeddings.model_name] if embeddings is not None else []
+    )
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.alive:
+        if engine is not None and not engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -126,6 +129,23 @@ def build_app(
                 404, f"unknown model {model_id!r}", param="model", code="model_not_found"
             )
         return card(model_id)
+
+    if engine is not None:
+        _generation_routes(app, engine, model_name, default_chat_max_tokens)
+    if embeddings is not None:
+        embeddings.add_routes(app)
+    return app
+
+
+def _generation_routes(
+    app: Any, engine: AsyncEngine, model_name: str, default_chat_max_tokens: int | None
+) -> None:
+    """``/v1/completions``, ``/v1/chat/completions`` and ``/metrics`` of the engine."""
+    from fastapi import Request
+    from fastapi.responses import PlainTextResponse, Response
+
+    eng = engine.engine
+    routes = ChatRoutes(engine, model_name, default_chat_max_tokens)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -143,7 +163,3 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await routes.chat(request)  # type: ignore[no-any-return]
-
-    if embeddings is not None:
-        embeddings.add_routes(app)
-    return app

@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from attnlab.serving.access_log import AccessLog
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.engine import Engine
 from attnlab.serving.openai_api import build_app
@@ -14,30 +15,38 @@ from attnlab.serving.openai_api import build_app
 __all__ = ["BackgroundServer", "load_engine"]
 
 
-def load_engine(model_dir: str | Path, **engine_kwargs: Any) -> tuple[Engine, str]:
-    """``(engine, model name)`` for a transformers-style folder (config, safetensors, tokenizer).
+def load_engine(
+    model: str | Path | None = None,
+    *,
+    chat_template: str | Path | None = None,
+    progress: bool = False,
+    **engine_kwargs: Any,
+) -> tuple[Engine, str]:
+    """``(engine, model name)`` for a model folder (config, safetensors, tokenizer) or a
+    ``.gguf`` file; None serves SmolLM2-135M-Instruct (model id ``SmolLM2-135M-Instruct``).
+
+    Args:
+        model: the folder or file, or None.
+        chat_template: a Jinja chat template file (or ``"chatml"``) for a tokenizer without one.
+        progress: a progress bar while a GGUF file loads.
+        engine_kwargs: :class:`~attnlab.serving.engine.Engine`'s settings.
 
     Raises:
-        ValueError: the folder is missing, has no tokenizer, or holds an architecture
-            attnlab cannot serve (an encoder, an encoder-decoder).
+        ModelFileError: the folder or file is missing or damaged, or has no tokenizer
+            (what is missing and how to add it).
+        ValueError: an architecture attnlab cannot serve (an encoder, an encoder-decoder).
     """
-    import attnlab
-    from attnlab.interop.hf import require_transformers
+    from attnlab.errors import ModelFileError
+    from attnlab.interop.causal_lm import load_causal_lm
 
-    folder = Path(model_dir)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} is not a model folder (no config.json)")
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"{folder} has no tokenizer files (tokenizer.json)")
-    tf = require_transformers()
-    tf.utils.logging.disable_progress_bar()
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
-    model = attnlab.from_hf(folder).eval()
-    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"{folder} holds a {type(model).__name__}; attnlab serve runs decoder-only language models"
+    lm = load_causal_lm(model, chat_template=chat_template, progress=progress)
+    if lm.tokenizer is None:
+        raise ModelFileError(
+            f"{lm.source} has no tokenizer files (tokenizer.json): a server reads and writes "
+            "text; train on text (attnlab train --preset stdlib-bpe) or copy the tokenizer "
+            "files of the model's training run into the folder"
         )
-    return Engine(model, tokenizer, **engine_kwargs), folder.name
+    return Engine(lm.model, lm.tokenizer, **engine_kwargs), lm.name
 
 
 class BackgroundServer:
@@ -50,21 +59,30 @@ class BackgroundServer:
         port: 0 picks a free port (read :attr:`port` after :meth:`start`).
         api_key: see :func:`~attnlab.serving.openai_api.build_app`.
         max_seconds: the server stops itself after this long.
+        access_log: a stream for one line per request (as ``attnlab serve`` logs them).
+        embeddings: an :class:`~attnlab.serving.embeddings.EmbeddingService` to serve
+            ``/v1/embeddings`` beside the engine (or alone, with ``engine=None``).
     """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | None,
         *,
         model_name: str = "attnlab",
         port: int = 0,
         api_key: str | None = None,
         max_seconds: float = 600.0,
+        access_log: TextIO | None = None,
+        embeddings: Any = None,
     ) -> None:
         import uvicorn
 
-        self.async_engine = AsyncEngine(engine)
-        app = build_app(self.async_engine, model_name=model_name, api_key=api_key)
+        self.async_engine = AsyncEngine(engine) if engine is not None else None
+        app: Any = build_app(
+            self.async_engine, model_name=model_name, api_key=api_key, embeddings=embeddings
+        )
+        if access_log is not None:
+            app = AccessLog(app, stream=access_log)
         # a long keep-alive: a client must not reuse a connection the server is closing
         config = uvicorn.Config(
             app,
@@ -107,7 +125,8 @@ class BackgroundServer:
             self._timer.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
-        self.async_engine.shutdown()
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()

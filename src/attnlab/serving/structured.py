@@ -265,12 +265,17 @@ class ToolStream:
         self.named_started = False
         self.made_calls = False
 
-    def _held(self) -> bool:
-        """Whether content from ``sent`` on might be (the start of) a tool call."""
-        rest = self.text[self.sent :]
-        if _TOOL_OPEN in rest or self.text.lstrip().startswith("{"):
-            return True
-        return any(_TOOL_OPEN.startswith(rest[i:]) for i in range(len(rest)) if rest[i] == "<")
+    def _safe(self) -> int:
+        """How far content may be sent: up to where a tool call starts or may start."""
+        if self.text.lstrip().startswith("{"):  # a JSON tool call, or JSON content: wait
+            return self.sent
+        start = self.text.find(_TOOL_OPEN, self.sent)
+        if start >= 0:
+            return start
+        for i in range(max(self.sent, len(self.text) - len(_TOOL_OPEN) + 1), len(self.text)):
+            if _TOOL_OPEN.startswith(self.text[i:]):
+                return i
+        return len(self.text)
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         """The deltas for a new piece of text."""
@@ -297,9 +302,10 @@ class ToolStream:
             if piece:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
             return out
-        if mode == "auto" and not self._held():
-            out_text = self.text[self.sent :]
-            self.sent = len(self.text)
+        if mode == "auto":
+            safe = self._safe()
+            out_text = self.text[self.sent : safe]
+            self.sent = max(self.sent, safe)
             return [{"content": out_text}] if out_text else []
         return []  # required, or a possible tool call: wait for the end
 

@@ -241,7 +241,6 @@ def finetune(config: FinetuneConfig, *, resume: str | None = None) -> dict[str, 
         save_every=config.save_every,
         out_dir=config.out_dir,
         progress=config.progress,
-        device="cpu",
         export=False,
     )
     with Trainer(tc, data=data, model=model) as trainer:  # type: ignore[arg-type]

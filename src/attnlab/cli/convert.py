@@ -1,0 +1,75 @@
+"""``attnlab convert IN OUT``: between GGUF files and model folders.
+
+IN is a ``.gguf`` file or a model folder (config.json + safetensors); OUT ending in
+``.gguf`` is written by :func:`attnlab.to_gguf` (``--dtype f32|f16|q8_0``), any other OUT
+is written as a transformers folder (config, safetensors, tokenizer) that
+``attnlab serve``, ``chat`` and transformers load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert between .gguf files and model folders (GGUF for llama.cpp / ollama)",
+        description=(
+            "Convert IN (a .gguf file or a model folder) to OUT: a .gguf file (for llama.cpp, "
+            "ollama, transformers) or a transformers model folder."
+        ),
+        epilog="example:\n  attnlab convert runs/stdlib-bpe/model stdlib-bpe.q8_0.gguf --dtype q8_0",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("input", type=Path, metavar="IN", help="a .gguf file or a model folder")
+    p.add_argument("output", type=Path, metavar="OUT", help="a .gguf file or a folder")
+    p.add_argument(
+        "--dtype",
+        choices=("f32", "f16", "q8_0"),
+        default="f32",
+        help="type of the matrices in an OUT .gguf (default f32; norms stay f32)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab.cli._common import writable_file
+    from attnlab.interop.causal_lm import load_causal_lm
+
+    to_gguf = args.output.suffix.lower() == ".gguf"
+    if to_gguf:
+        writable_file("OUT", args.output)
+    elif args.output.exists() and not args.output.is_dir():
+        raise OSError(17, f"OUT {str(args.output)!r} exists and is not a folder")
+    elif args.dtype != "f32":
+        raise ValueError(f"--dtype {args.dtype} applies to a .gguf OUT; {args.output} is a folder")
+    lm = load_causal_lm(args.input, progress=True)
+    if to_gguf:
+        import attnlab
+
+        attnlab.to_gguf(lm.model, args.output, dtype=args.dtype, tokenizer=lm.tokenizer)
+    else:
+        from attnlab.train.export import export_model
+
+        export_model(lm.model, args.output, tokenizer=_SavesTo(lm.tokenizer))
+    size = sum(f.stat().st_size for f in _files(args.output)) / 2**20
+    print(f"wrote {args.output} ({size:.1f} MiB) from {args.input}", file=sys.stderr)
+    return 0
+
+
+class _SavesTo:
+    """A transformers tokenizer behind ``save(folder)``, the call ``export_model`` makes."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+
+    def save(self, folder: Path) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(folder))  # type: ignore[attr-defined]
+
+
+def _files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
