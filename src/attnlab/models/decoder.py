@@ -49,6 +49,7 @@ from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.experts import Experts, Router
+from attnlab.modules.linear import make_linear
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.moe import MoEBlock
 from attnlab.modules.norms import OffsetRMSNorm, RMSNorm
@@ -57,6 +58,7 @@ from attnlab.modules.positions import (
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
 )
+from attnlab.modules.quant_linear import QuantEmbedding
 
 __all__ = ["DecoderLM", "build_decoder_layer", "build_feed_forward", "build_moe", "make_norm"]
 
@@ -129,7 +131,9 @@ def build_moe(moe: MoEConfig, embed_dim: int, *, bias: bool = False) -> MoEBlock
             gated=moe.expert_mlp == "gated",
         ),
         shared_expert=shared,
-        shared_expert_gate=nn.Linear(embed_dim, 1, bias=False) if moe.shared_expert_gate else None,
+        shared_expert_gate=make_linear(embed_dim, 1, bias=False)
+        if moe.shared_expert_gate
+        else None,
         dispatch=moe.dispatch,
         capacity_factor=moe.capacity_factor,
     )
@@ -231,7 +235,7 @@ class DecoderLM(nn.Module):
         )
         self.norm = make_norm(config.norm, d, config.norm_eps)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
         self.dropout = nn.Dropout(config.hidden_dropout)
         #: set by loaders that find them beside the weights (``attnlab.from_gguf``): a
@@ -254,8 +258,23 @@ class DecoderLM(nn.Module):
 
     @property
     def output_weight(self) -> Tensor:
-        """The LM head's ``[V, D]`` matrix (the token embeddings when tied)."""
+        """The LM head's ``[V, D]`` matrix (the token embeddings when tied; expanded to
+        float when they are quantized)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def lm_logits(self, x: Tensor) -> Tensor:
+        """``[B, L, D] -> [B, L, V]``: the LM head, a quantized one included (a tied
+        quantized table multiplies as the head it is)."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        table = self.embed_tokens
+        if isinstance(table, QuantEmbedding):
+            return table.logits(x)
+        return nn.functional.linear(x, table.weight)
+
+    def _float_param(self) -> Tensor:
+        """A float parameter that every model keeps (the final norm's): dtype and device."""
+        return cast(Tensor, self.norm.weight)
 
     def new_cache(
         self,
@@ -285,7 +304,7 @@ class DecoderLM(nn.Module):
 
         def kv_cache(window: int | None) -> KVCache:
             if kind == "static":
-                weight = self.embed_tokens.weight
+                weight = self._float_param()
                 assert self.config.num_key_value_heads is not None
                 assert self.config.head_dim is not None
                 return StaticKVCache(
@@ -474,7 +493,7 @@ class DecoderLM(nn.Module):
         """The backend the registry picks for :meth:`decode_step` with these arguments."""
         n = input_ids.shape[1]
         d = self.config.hidden_size
-        x = self.output_weight.new_empty((input_ids.shape[0], n, d))  # shape and dtype only
+        x = self._float_param().new_empty((input_ids.shape[0], n, d))  # shape and dtype only
         first = _first_kv(cache, self.layer_windows, self.layer_windows[0])
         q_slots = start + torch.arange(n, device=x.device)[None]
         pattern, is_causal, _, k_pos = self._pattern(
@@ -558,7 +577,7 @@ class DecoderLM(nn.Module):
             hidden[-1] = x
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = nn.functional.linear(x, self.output_weight)  # [B, L, V]
+        logits = self.lm_logits(x)  # [B, L, V]
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2's output soft-cap
             logits = torch.tanh(logits / cap) * cap
@@ -604,7 +623,7 @@ class DecoderLM(nn.Module):
         :class:`~attnlab.backends.registry.Explanation` of the backend they run
         (``str()`` of an entry prints it). Runs no layer."""
         b, n = input_ids.shape
-        x = self.output_weight.new_empty((b, n, self.config.hidden_size))  # shape and dtype
+        x = self._float_param().new_empty((b, n, self.config.hidden_size))  # shape and dtype
         mask = self._check_mask(attention_mask, b, n)
         q_slots = torch.arange(n, device=x.device)[None]
         groups = self._groups(x, None, mask, 0, q_slots, None, False, None)
@@ -675,7 +694,7 @@ class DecoderLM(nn.Module):
             dropout_p=c.attention_dropout if training else 0.0,
             enable_gqa=c.num_key_value_heads != c.num_attention_heads,
             needs_grad=torch.is_grad_enabled()
-            and (x.requires_grad or self.output_weight.requires_grad),
+            and (x.requires_grad or self._float_param().requires_grad),
             return_weights=need_weights,
             positions=pattern is not None,
             block_size=getattr(first, "block_size", 0) if pattern is not None else 0,

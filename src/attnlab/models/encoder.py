@@ -21,6 +21,7 @@ from attnlab.models.outputs import EncoderOutput
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.embeddings import Embeddings
 from attnlab.modules.encoder_layer import EncoderLayer
+from attnlab.modules.linear import make_linear
 from attnlab.modules.longformer_attention import LongformerSelfAttention
 from attnlab.modules.mlp import FeedForward
 from attnlab.modules.positions import RotaryEmbedding
@@ -36,7 +37,7 @@ class Pooler(nn.Module):
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.dense = make_linear(hidden_size, hidden_size)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return torch.tanh(self.dense(hidden[:, 0]))  # [B, D]

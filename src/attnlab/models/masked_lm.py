@@ -17,6 +17,7 @@ from attnlab.models.config import EncoderConfig
 from attnlab.models.encoder import EncoderModel
 from attnlab.models.outputs import MaskedLMOutput
 from attnlab.modules.activations import get_activation
+from attnlab.modules.linear import make_linear
 
 __all__ = ["EncoderForMaskedLM", "MaskedLMHead"]
 
@@ -35,7 +36,7 @@ class MaskedLMHead(nn.Module):
         self, *, hidden_size: int, vocab_size: int, activation: str, layer_norm_eps: float
     ) -> None:
         super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.dense = make_linear(hidden_size, hidden_size)
         self.act = get_activation(activation)
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(vocab_size))

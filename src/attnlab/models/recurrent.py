@@ -27,6 +27,7 @@ from attnlab.functional._checks import check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
+from attnlab.modules.linear import make_linear
 from attnlab.modules.mamba import Mamba2Mixer, MambaMixer
 from attnlab.modules.norms import RMSNorm
 from attnlab.modules.retention import MultiScaleRetention
@@ -296,7 +297,7 @@ class MambaLM(RecurrentLM):
         )
         self.norm_f = RMSNorm(d, eps=config.norm_eps)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
 
     def _new_state(self, layer: int) -> RecurrentState:
@@ -356,7 +357,7 @@ class RWKVLM(RecurrentLM):
         self.layers = nn.ModuleList(RWKVBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
 
     def _embed(self, x: Tensor) -> Tensor:
@@ -374,9 +375,9 @@ class GLU(nn.Module):
 
     def __init__(self, *, embed_dim: int, hidden_dim: int, activation: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(embed_dim, hidden_dim, bias=False)
-        self.gate = nn.Linear(embed_dim, hidden_dim, bias=False)
-        self.fc2 = nn.Linear(hidden_dim, embed_dim, bias=False)
+        self.fc1 = make_linear(embed_dim, hidden_dim, bias=False)
+        self.gate = make_linear(embed_dim, hidden_dim, bias=False)
+        self.fc2 = make_linear(hidden_dim, embed_dim, bias=False)
         self.act = F.gelu if activation == "gelu" else F.silu
 
     def forward(self, x: Tensor) -> Tensor:
@@ -436,7 +437,7 @@ class RetNetLM(RecurrentLM):
         self.layers = nn.ModuleList(RetNetBlock(config) for _ in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(d, eps=config.norm_eps)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
 
     def _embed(self, x: Tensor) -> Tensor:

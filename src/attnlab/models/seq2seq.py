@@ -35,6 +35,7 @@ from attnlab.models.seq2seq_config import Seq2SeqConfig
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.encoder_layer import EncoderLayer
+from attnlab.modules.linear import make_linear
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.positions import (
     LearnedPositionalEmbedding,
@@ -106,7 +107,7 @@ class Seq2SeqLM(nn.Module):
         self.encoder_norm = self._norm() if pre else None
         self.decoder_norm = self._norm() if pre else None
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
         self.dropout = nn.Dropout(config.dropout_rate)
 

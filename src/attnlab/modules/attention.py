@@ -46,6 +46,7 @@ from attnlab.functional._checks import (
 )
 from attnlab.functional.attention import AttnMask, scaled_dot_product_attention
 from attnlab.functional.masks import combine, padding, padding_mask
+from attnlab.modules.linear import make_linear
 
 __all__ = ["MultiHeadAttention"]
 
@@ -141,10 +142,10 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         self.rotary = rotary
         self.scale = scale
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
-        self.out_proj = nn.Linear(
+        self.q_proj = make_linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = make_linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = make_linear(kv_embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.out_proj = make_linear(
             num_heads * head_dim, embed_dim, bias=bias if out_bias is None else out_bias
         )
         self.q_norm = q_norm

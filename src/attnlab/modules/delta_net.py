@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from attnlab.cache.linear_state import DeltaNetState
 from attnlab.functional._checks import check_positive_int
 from attnlab.functional.delta_rule import delta_rule_chunked, delta_rule_step
+from attnlab.modules.linear import make_linear
 from attnlab.modules.mamba import causal_conv
 
 __all__ = ["GatedDeltaNet", "NormGate", "l2_normalize"]
@@ -111,15 +112,15 @@ class GatedDeltaNet(nn.Module):
             bias=False,
             padding=conv_kernel - 1,
         )
-        self.in_proj_qkvz = nn.Linear(
+        self.in_proj_qkvz = make_linear(
             hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False
         )
-        self.in_proj_ba = nn.Linear(hidden_size, num_v_heads * (2 if decay else 1), bias=False)
+        self.in_proj_ba = make_linear(hidden_size, num_v_heads * (2 if decay else 1), bias=False)
         if decay:
             self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
             self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(1, 16)))
         self.norm = NormGate(head_v_dim, eps=norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = make_linear(self.value_dim, hidden_size, bias=False)
 
     def new_state(self) -> DeltaNetState:
         return DeltaNetState()

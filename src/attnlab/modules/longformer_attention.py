@@ -29,6 +29,7 @@ from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.functional.attention import scaled_dot_product_attention
 from attnlab.functional.masks import MaskPattern, padding, sliding_window
 from attnlab.functional.score_mods import ScoreMod
+from attnlab.modules.linear import make_linear
 
 __all__ = ["LongformerSelfAttention", "longformer_pattern"]
 
@@ -100,13 +101,13 @@ class LongformerSelfAttention(nn.Module):
         self.backend = backend
         self.rotary = rotary
         self.score_mod = score_mod
-        self.q_proj = nn.Linear(embed_dim, embed_dim)
-        self.k_proj = nn.Linear(embed_dim, embed_dim)
-        self.v_proj = nn.Linear(embed_dim, embed_dim)
-        self.q_global = nn.Linear(embed_dim, embed_dim)
-        self.k_global = nn.Linear(embed_dim, embed_dim)
-        self.v_global = nn.Linear(embed_dim, embed_dim)
-        self.out_proj = nn.Linear(embed_dim, embed_dim)
+        self.q_proj = make_linear(embed_dim, embed_dim)
+        self.k_proj = make_linear(embed_dim, embed_dim)
+        self.v_proj = make_linear(embed_dim, embed_dim)
+        self.q_global = make_linear(embed_dim, embed_dim)
+        self.k_global = make_linear(embed_dim, embed_dim)
+        self.v_global = make_linear(embed_dim, embed_dim)
+        self.out_proj = make_linear(embed_dim, embed_dim)
 
     def extra_repr(self) -> str:
         return (

@@ -27,6 +27,7 @@ from attnlab.cache.recurrent import Mamba2State, MambaState
 from attnlab.functional._checks import check_positive_int
 from attnlab.functional.selective_scan import selective_scan_chunked, selective_scan_reference
 from attnlab.functional.ssd import ssd_chunked, ssd_reference
+from attnlab.modules.linear import make_linear
 
 __all__ = ["GatedRMSNorm", "Mamba2Mixer", "MambaMixer", "causal_conv"]
 
@@ -101,17 +102,17 @@ class MambaMixer(nn.Module):
         e, n = intermediate_size, state_size
         self.intermediate_size, self.state_size, self.dt_rank = e, n, dt_rank
         self.chunk_size = chunk_size
-        self.in_proj = nn.Linear(hidden_size, 2 * e, bias=bias)
+        self.in_proj = make_linear(hidden_size, 2 * e, bias=bias)
         self.conv1d = nn.Conv1d(
             e, e, conv_kernel, groups=e, bias=conv_bias, padding=conv_kernel - 1
         )
-        self.x_proj = nn.Linear(e, dt_rank + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, e, bias=True)
+        self.x_proj = make_linear(e, dt_rank + 2 * n, bias=False)
+        self.dt_proj = make_linear(dt_rank, e, bias=True)
         self.A_log = nn.Parameter(
             torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1)
         )
         self.D = nn.Parameter(torch.ones(e))
-        self.out_proj = nn.Linear(e, hidden_size, bias=bias)
+        self.out_proj = make_linear(e, hidden_size, bias=bias)
         with torch.no_grad():
             self.dt_proj.bias.copy_(_init_dt_bias(e, 1e-3, 0.1))
         # transformers' names (JambaMambaMixer), so checkpoints map one to one
@@ -259,7 +260,7 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = e + 2 * n_groups * state_size
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.chunk_size = chunk_size
-        self.in_proj = nn.Linear(hidden_size, e + self.conv_dim + num_heads, bias=bias)
+        self.in_proj = make_linear(hidden_size, e + self.conv_dim + num_heads, bias=bias)
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -272,7 +273,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = GatedRMSNorm(e, group_size=e // n_groups, eps=norm_eps)
-        self.out_proj = nn.Linear(e, hidden_size, bias=bias)
+        self.out_proj = make_linear(e, hidden_size, bias=bias)
 
     def new_state(self) -> Mamba2State:
         return Mamba2State()

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.modules.activations import get_activation
+from attnlab.modules.linear import make_linear
 
 __all__ = ["FeedForward", "GatedFeedForward"]
 
@@ -39,8 +40,8 @@ class FeedForward(nn.Module):
         check_probability("dropout", dropout)
         self.activation_name = activation
         self.act = get_activation(activation)
-        self.fc_in = nn.Linear(embed_dim, hidden_dim, bias=bias)
-        self.fc_out = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.fc_in = make_linear(embed_dim, hidden_dim, bias=bias)
+        self.fc_out = make_linear(hidden_dim, embed_dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def extra_repr(self) -> str:
@@ -81,9 +82,9 @@ class GatedFeedForward(nn.Module):
         check_probability("dropout", dropout)
         self.activation_name = activation
         self.act = get_activation(activation)
-        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
-        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
-        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.gate_proj = make_linear(embed_dim, hidden_dim, bias=bias)
+        self.up_proj = make_linear(embed_dim, hidden_dim, bias=bias)
+        self.down_proj = make_linear(hidden_dim, embed_dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def extra_repr(self) -> str:

@@ -21,6 +21,7 @@ the distance between the two levels around ``w / absmax``; so a forward's error 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -32,6 +33,15 @@ _OFFSET = 0.9677083  # the outermost quantile, (1 - 1/(2·15) + 1 - 1/(2·16)) /
 BLOCK_SIZE = 64
 
 
+@functools.cache
+def _levels() -> Tensor:
+    ndtri = torch.special.ndtri
+    pos = ndtri(torch.linspace(_OFFSET, 0.5, 9, dtype=torch.float64)[:-1])  # 8 positive
+    neg = -ndtri(torch.linspace(_OFFSET, 0.5, 8, dtype=torch.float64)[:-1])  # 7 negative
+    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return (levels / levels.abs().max()).float()
+
+
 def nf4_levels() -> Tensor:
     """The 16 NF4 levels, ascending, in ``[-1, 1]`` with an exact 0 (float32).
 
@@ -39,11 +49,7 @@ def nf4_levels() -> Tensor:
     the upper half of the normal distribution and 7 from the lower, normalised by the
     largest.
     """
-    ndtri = torch.special.ndtri
-    pos = ndtri(torch.linspace(_OFFSET, 0.5, 9, dtype=torch.float64)[:-1])  # 8 positive
-    neg = -ndtri(torch.linspace(_OFFSET, 0.5, 8, dtype=torch.float64)[:-1])  # 7 negative
-    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
-    return (levels / levels.abs().max()).float()
+    return _levels().clone()
 
 
 def nf4_quantize(weight: Tensor, block_size: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
@@ -85,7 +91,7 @@ def nf4_dequantize(
     """The ``[O, I]`` weight in ``dtype`` from :func:`nf4_quantize`'s codes and scales."""
     n = shape[0] * shape[1]
     codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
-    levels = nf4_levels().to(packed.device)
+    levels = _levels().to(packed.device)
     scale = absmax.repeat_interleave(block_size)[:n]
     return (levels[codes] * scale).view(shape).to(dtype)
 

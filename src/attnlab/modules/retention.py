@@ -29,6 +29,7 @@ from attnlab.functional.retention import (
     retention_parallel,
     retention_recurrent,
 )
+from attnlab.modules.linear import make_linear
 
 __all__ = ["MultiScaleRetention", "rotate_pairs"]
 
@@ -87,11 +88,11 @@ class MultiScaleRetention(nn.Module):
         self.norm_eps = norm_eps
         self.form = form
         self.chunk_size = chunk_size
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        self.v_proj = nn.Linear(embed_dim, value_dim, bias=False)
-        self.g_proj = nn.Linear(embed_dim, value_dim, bias=False)
-        self.out_proj = nn.Linear(value_dim, embed_dim, bias=False)
+        self.q_proj = make_linear(embed_dim, embed_dim, bias=False)
+        self.k_proj = make_linear(embed_dim, embed_dim, bias=False)
+        self.v_proj = make_linear(embed_dim, value_dim, bias=False)
+        self.g_proj = make_linear(embed_dim, value_dim, bias=False)
+        self.out_proj = make_linear(value_dim, embed_dim, bias=False)
         angle = 1.0 / (10000 ** torch.linspace(0, 1, self.key_dim // 2))
         self.register_buffer("angle", angle.repeat_interleave(2), persistent=False)
         gamma = 1 - 2.0 ** (-5 - torch.arange(num_heads, dtype=torch.float32))

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from attnlab.cache.recurrent import RWKVState
 from attnlab.functional._checks import check_positive_int
 from attnlab.functional.wkv import wkv_chunked, wkv_reference
+from attnlab.modules.linear import make_linear
 
 __all__ = ["RWKVChannelMix", "RWKVTimeMix", "token_shift"]
 
@@ -74,10 +75,10 @@ class RWKVTimeMix(nn.Module):
         self.time_mix_key = nn.Parameter(mix**keep)
         self.time_mix_value = nn.Parameter(mix**keep + 0.3 * ratio)
         self.time_mix_receptance = nn.Parameter(mix ** (0.5 * keep))
-        self.key = nn.Linear(hidden_size, c, bias=False)
-        self.value = nn.Linear(hidden_size, c, bias=False)
-        self.receptance = nn.Linear(hidden_size, c, bias=False)
-        self.output = nn.Linear(c, hidden_size, bias=False)
+        self.key = make_linear(hidden_size, c, bias=False)
+        self.value = make_linear(hidden_size, c, bias=False)
+        self.receptance = make_linear(hidden_size, c, bias=False)
+        self.output = make_linear(c, hidden_size, bias=False)
 
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, state: RWKVState | None = None
@@ -135,9 +136,9 @@ class RWKVChannelMix(nn.Module):
         mix = (torch.arange(hidden_size, dtype=torch.float32) / hidden_size)[None, None]
         self.time_mix_key = nn.Parameter(mix**keep)
         self.time_mix_receptance = nn.Parameter(mix**keep)
-        self.key = nn.Linear(hidden_size, inner, bias=False)
-        self.receptance = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.value = nn.Linear(inner, hidden_size, bias=False)
+        self.key = make_linear(hidden_size, inner, bias=False)
+        self.receptance = make_linear(hidden_size, hidden_size, bias=False)
+        self.value = make_linear(inner, hidden_size, bias=False)
 
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, state: RWKVState | None = None

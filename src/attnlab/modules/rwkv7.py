@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from attnlab.cache.linear_state import RWKV7State
 from attnlab.functional._checks import check_positive_int
 from attnlab.functional.rwkv7 import rwkv7_chunked, rwkv7_step
+from attnlab.modules.linear import make_linear
 
 __all__ = ["RWKV7TimeMix"]
 
@@ -36,10 +37,10 @@ __all__ = ["RWKV7TimeMix"]
 def _lora(
     d_in: int, rank: int, d_out: int, activation: nn.Module | None, bias: bool = True
 ) -> nn.Sequential:
-    parts: list[nn.Module] = [nn.Linear(d_in, rank, bias=False)]
+    parts: list[nn.Module] = [make_linear(d_in, rank, bias=False)]
     if activation is not None:
         parts.append(activation)
-    parts.append(nn.Linear(rank, d_out, bias=bias))
+    parts.append(make_linear(rank, d_out, bias=bias))
     return nn.Sequential(*parts)
 
 
@@ -82,10 +83,10 @@ class RWKV7TimeMix(nn.Module):
         self.k_k = nn.Parameter(torch.full((d,), 0.85))
         self.k_a = nn.Parameter(torch.ones(d))
         self.r_k = nn.Parameter(torch.randn(num_heads, self.head_dim) * 0.1)
-        self.r_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.r_proj = make_linear(d, d, bias=False)
+        self.k_proj = make_linear(d, d, bias=False)
+        self.v_proj = make_linear(d, d, bias=False)
+        self.o_proj = make_linear(d, d, bias=False)
         self.w_lora = _lora(d, min(decay_low_rank_dim, d), d, nn.Tanh())
         self.a_lora = _lora(d, min(a_low_rank_dim, d), d, None)
         self.g_lora = _lora(d, min(gate_low_rank_dim, d), d, nn.Sigmoid(), bias=False)

@@ -11,7 +11,6 @@ test keeps the two equal.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ __all__ = [
     "StreamOptions",
     "chat_messages",
     "check_fields",
+    "compatibility_table",
     "sampling_params",
     "stream_options",
 ]
@@ -51,22 +51,31 @@ class APIError(Exception):
         }
 
 
-def _absent(*defaults: Any) -> Callable[[Any, dict[str, Any]], bool]:
-    """A check that accepts only the values that change nothing."""
-    return lambda value, body: (
-        value is None or any(value == d and type(value) is type(d) for d in defaults)
-    )
+class _Only:
+    """A field accepted only at the values that change nothing (null and ``defaults``)."""
+
+    def __init__(self, *defaults: Any, text: str | None = None) -> None:
+        self.defaults = defaults
+        self.accepted = text or " or ".join(["null", *(json.dumps(d) for d in defaults)])
+
+    def __call__(self, value: Any, body: dict[str, Any]) -> bool:
+        return value is None or any(value == d and type(value) is type(d) for d in self.defaults)
 
 
-def _best_of(value: Any, body: dict[str, Any]) -> bool:
-    return value is None or (
-        isinstance(value, int) and not isinstance(value, bool) and value == body.get("n", 1)
-    )
+class _BestOf(_Only):
+    def __call__(self, value: Any, body: dict[str, Any]) -> bool:
+        return value is None or (
+            isinstance(value, int) and not isinstance(value, bool) and value == body.get("n", 1)
+        )
+
+
+_absent = _Only
+_best_of = _BestOf(text="null or equal to n")
 
 
 #: ``"honoured"``; ``"no effect"`` (accepted, changes nothing in the output); or a check
 #: of the values accepted because they are the default (others are refused: not supported).
-FieldRule = str | Callable[[Any, dict[str, Any]], bool]
+FieldRule = str | _Only
 
 _SAMPLING: dict[str, FieldRule] = {
     "model": "honoured",
@@ -140,6 +149,28 @@ EMBEDDING_FIELDS: dict[str, FieldRule] = {
 }
 
 
+def _status(rule: FieldRule | None) -> str:
+    if rule is None:
+        return "refused"
+    if isinstance(rule, _Only):
+        return f"refused unless {rule.accepted}"
+    return rule
+
+
+def compatibility_table() -> str:
+    """The fields of the three endpoints as a markdown table (printed in docs/serving.md)."""
+    tables = (COMPLETION_FIELDS, CHAT_FIELDS, EMBEDDING_FIELDS)
+    names = sorted({n for t in tables for n in t}, key=lambda n: (n != "model", n))
+    lines = [
+        "| field | `/v1/completions` | `/v1/chat/completions` | `/v1/embeddings` |",
+        "|---|---|---|---|",
+    ]
+    for n in names:
+        lines.append(f"| `{n}` | " + " | ".join(_status(t.get(n)) for t in tables) + " |")
+    lines.append("| any other field | refused | refused | refused |")
+    return "\n".join(lines)
+
+
 def check_fields(body: dict[str, Any], fields: dict[str, FieldRule]) -> None:
     """Refuse every field that is unknown, or known but not supported with its value.
 
@@ -152,7 +183,7 @@ def check_fields(body: dict[str, Any], fields: dict[str, FieldRule]) -> None:
             raise APIError(
                 400, f"unknown field {name!r}: this server does not support it", param=name
             )
-        if callable(rule) and not rule(value, body):
+        if isinstance(rule, _Only) and not rule(value, body):
             raise APIError(
                 400, f"{name}={json.dumps(value)[:80]} is not supported by this server", param=name
             )

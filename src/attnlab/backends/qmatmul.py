@@ -1,0 +1,296 @@
+"""Kernels for weight-only quantized matmuls, and an ``auto`` that picks one by measurement.
+
+A quantized linear layer (:mod:`attnlab.modules.quant_linear`) hands its weights to one
+of these kernels:
+
+- ``"int8pack"``: torch's ``_weight_int8pack_mm`` (int8 weights, one scale per output
+  channel, activations in the compute dtype).
+- ``"int4pack"``: torch's ``_weight_int4pack_mm_for_cpu`` over the weights repacked once
+  by ``_convert_weight_to_int4pack_for_cpu`` (4-bit groups of 32/64/128/256 with a scale
+  and a zero point; ``N`` a multiple of 16).
+- ``"dequant"``: expand the weights to the compute dtype and call ``F.linear`` (any
+  layout; the choice for long prompts, where one GEMM beats the GEMV-shaped kernels).
+
+The compute dtype is decided first and never by timing, so the choice of kernel changes
+speed, not meaning: ``compute="auto"`` runs bfloat16 activations where the CPU multiplies
+bfloat16 natively (AVX-512 BF16 or AMX, what ``torch.ops.mkldnn._is_mkldnn_bf16_supported``
+reports) and the input's dtype elsewhere (on an AVX2-only CPU a bfloat16 matmul was
+measured 10x slower than float32). Among the kernels that can run a shape, ``auto`` times
+each once per (layout, shape, row bucket, dtype) and keeps the fastest, as
+:func:`explain_linear` reports; ``with use_kernel(name):`` forces one.
+
+Shape notation: ``M`` rows of activations, ``K`` input features, ``N`` output features.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KERNELS",
+    "LinearChoice",
+    "QuantWeights",
+    "choose_kernel",
+    "compute_dtype",
+    "explain_linear",
+    "native_bf16",
+    "run_kernel",
+    "use_kernel",
+]
+
+COMPUTE_POLICIES = ("auto", "float32", "bfloat16", "input")
+_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_INT4_GROUPS = (32, 64, 128, 256)
+
+
+class QuantWeights(Protocol):
+    """What a kernel reads from a quantized layer."""
+
+    kind: str  # "int8" or "int4"
+    in_features: int
+    out_features: int
+    group_size: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor: ...
+
+    def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]: ...
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX via oneDNN)."""
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
+        return False
+
+
+def compute_dtype(x_dtype: torch.dtype, policy: str) -> tuple[torch.dtype, str]:
+    """The dtype a quantized matmul computes in under ``policy``, and why.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    if policy not in COMPUTE_POLICIES:
+        raise ValueError(f"compute must be one of {list(COMPUTE_POLICIES)}, got {policy!r}")
+    if policy in _NAMED:
+        return _NAMED[policy], f"compute={policy!r} was asked for"
+    if policy == "input" or x_dtype not in (torch.float32, torch.bfloat16):
+        return x_dtype, f"the activations' dtype ({x_dtype})"
+    if native_bf16():
+        return torch.bfloat16, "this CPU has native bfloat16 matmul (AVX-512 BF16/AMX)"
+    return x_dtype, f"no native bfloat16 matmul on this CPU: {x_dtype} activations"
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _check_int8pack(w: QuantWeights, dtype: torch.dtype) -> str | None:
+    if w.kind != "int8":
+        return f"needs int8 weights, these are {w.kind}"
+    if w.group_size != w.in_features:
+        return f"needs one scale per output channel, these have groups of {w.group_size}"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"computes in float32/bfloat16/float16, not {dtype}"
+    return None
+
+
+def _run_int8pack(w: QuantWeights, x2: Tensor) -> Tensor:
+    q, scales = w.kernel_form("int8pack", x2.dtype)
+    return torch._weight_int8pack_mm(x2, q, scales)
+
+
+def _check_int4pack(w: QuantWeights, dtype: torch.dtype) -> str | None:
+    if w.kind != "int4":
+        return f"needs int4 weights, these are {w.kind}"
+    if w.group_size not in _INT4_GROUPS:
+        return f"needs groups of {list(_INT4_GROUPS)}, these have {w.group_size}"
+    if w.out_features % 16 or w.in_features % 32:
+        return (
+            f"needs out_features divisible by 16 and in_features by 32, got "
+            f"{w.out_features} x {w.in_features}"
+        )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"computes in float32/bfloat16/float16, not {dtype}"
+    return None
+
+
+def _run_int4pack(w: QuantWeights, x2: Tensor) -> Tensor:
+    packed, scales_zeros = w.kernel_form("int4pack", x2.dtype)
+    return torch._weight_int4pack_mm_for_cpu(x2, packed, w.group_size, scales_zeros)
+
+
+def _check_dequant(w: QuantWeights, dtype: torch.dtype) -> str | None:
+    return None
+
+
+def _run_dequant(w: QuantWeights, x2: Tensor) -> Tensor:
+    return torch.nn.functional.linear(x2, w.dequantize(x2.dtype))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way to multiply by quantized weights: ``check`` says why it cannot (or None)."""
+
+    name: str
+    check: Callable[[QuantWeights, torch.dtype], str | None]
+    run: Callable[[QuantWeights, Tensor], Tensor]
+
+
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        Kernel("int8pack", _check_int8pack, _run_int8pack),
+        Kernel("int4pack", _check_int4pack, _run_int4pack),
+        Kernel("dequant", _check_dequant, _run_dequant),
+    )
+}
+
+_FORCED: ContextVar[str | None] = ContextVar("attnlab_qmatmul_kernel", default=None)
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[None]:
+    """Make ``auto`` resolve to kernel ``name`` inside the block.
+
+    Raises:
+        ValueError: an unknown kernel name.
+    """
+    if name not in KERNELS:
+        raise ValueError(
+            f"unknown quantized-matmul kernel {name!r}; expected one of {list(KERNELS)}"
+        )
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+# ----------------------------------------------------------------------------- auto
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """Why one kernel runs a quantized matmul of one shape.
+
+    Attributes:
+        chosen: the kernel's name.
+        compute_dtype: the dtype the activations are multiplied in.
+        dtype_reason: why that dtype.
+        how: ``"measured"``, ``"forced"`` (a name or :func:`use_kernel`), or ``"rule"``
+            (inside a compiled graph with no measurement yet: the packed kernel for a few
+            rows, ``dequant`` for many).
+        timings_us: each runnable kernel's measured time for ``rows`` rows, microseconds.
+        rejected: each kernel that cannot run, with the reason.
+        rows: the row bucket measured (a power of two).
+    """
+
+    chosen: str
+    compute_dtype: torch.dtype
+    dtype_reason: str
+    how: str
+    timings_us: dict[str, float] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    rows: int = 1
+
+    def __str__(self) -> str:
+        times = ", ".join(f"{k} {v:.0f} us" for k, v in self.timings_us.items())
+        why = f" ({times})" if times else ""
+        return f"{self.chosen} [{self.how}{why}] in {self.compute_dtype}: {self.dtype_reason}"
+
+
+_MEMO: dict[tuple[object, ...], LinearChoice] = {}
+
+
+def _bucket(rows: int) -> int:
+    """Rows rounded up to a power of two, at most 512: one measurement per bucket."""
+    b = 1
+    while b < rows and b < 512:
+        b *= 2
+    return b
+
+
+def _time_us(fn: Callable[[], Tensor], repeats: int = 3) -> float:
+    fn()  # warm-up: builds the kernel's packed form
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
+def choose_kernel(
+    w: QuantWeights, rows: int, x_dtype: torch.dtype, *, kernel: str = "auto", compute: str = "auto"
+) -> LinearChoice:
+    """The kernel (and compute dtype) for ``rows`` activations of ``x_dtype`` times ``w``.
+
+    Args:
+        w: the layer's weights.
+        rows: ``M``.
+        x_dtype: the activations' dtype.
+        kernel: a kernel name or ``"auto"`` (measured, memoised per shape bucket).
+        compute: the compute-dtype policy (:data:`COMPUTE_POLICIES`).
+
+    Raises:
+        ValueError: an unknown kernel or policy, or a named kernel that cannot run ``w``.
+    """
+    dtype, reason = compute_dtype(x_dtype, compute)
+    forced = kernel if kernel != "auto" else _FORCED.get()
+    rejected = {k.name: why for k in KERNELS.values() if (why := k.check(w, dtype)) is not None}
+    if forced is not None:
+        if forced not in KERNELS:
+            raise ValueError(
+                f"unknown kernel {forced!r}; expected 'auto' or one of {list(KERNELS)}"
+            )
+        if forced in rejected:
+            raise ValueError(f"kernel {forced!r} cannot run this layer: {rejected[forced]}")
+        return LinearChoice(forced, dtype, reason, "forced", rejected=rejected, rows=rows)
+    bucket = _bucket(rows)
+    key = (w.kind, w.out_features, w.in_features, w.group_size, bucket, dtype, x_dtype)
+    memo = _MEMO.get(key)
+    if memo is not None:
+        return memo
+    runnable = [k for k in KERNELS.values() if k.name not in rejected]
+    if torch.compiler.is_compiling():  # no timing inside a graph: a fixed rule
+        packed = [k.name for k in runnable if k.name != "dequant"]
+        name = packed[0] if packed and bucket <= 8 else "dequant"
+        return LinearChoice(name, dtype, reason, "rule", rejected=rejected, rows=bucket)
+    x = torch.randn(bucket, w.in_features, dtype=dtype)
+    with torch.no_grad():
+        timings = {k.name: _time_us(functools.partial(k.run, w, x)) for k in runnable}
+    best = min(timings, key=lambda n: timings[n])
+    choice = LinearChoice(best, dtype, reason, "measured", timings, rejected, bucket)
+    _MEMO[key] = choice
+    return choice
+
+
+def run_kernel(w: QuantWeights, x: Tensor, choice: LinearChoice) -> Tensor:
+    """``x [..., K] @ W^T -> [..., N]`` with ``choice``'s kernel, in ``x``'s dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(choice.compute_dtype).contiguous()  # [M, K]
+    y = KERNELS[choice.chosen].run(w, x2)  # [M, N]
+    return y.to(x.dtype).reshape(*lead, w.out_features)
+
+
+def explain_linear(
+    w: QuantWeights,
+    rows: int = 1,
+    x_dtype: torch.dtype = torch.float32,
+    *,
+    kernel: str = "auto",
+    compute: str = "auto",
+) -> LinearChoice:
+    """The decision :func:`choose_kernel` makes (measuring now if it has not yet)."""
+    return choose_kernel(w, rows, x_dtype, kernel=kernel, compute=compute)

@@ -1,0 +1,94 @@
+"""Quantize a whole model's linear layers (and embeddings) through the one linear factory.
+
+:func:`quantize_model` replaces every ``nn.Linear`` of a model (attention projections,
+MLPs, shared experts, an untied LM head) with the layer :func:`attnlab.modules.linear.
+convert_linear` makes, and the token embeddings with a :class:`QuantEmbedding` (which is
+also the LM head of a tied model). What stayed float and why is recorded in
+``model.quantization`` beside the spec, so that a saved model says how it was made.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from attnlab.modules.linear import LinearSpec, convert_linear
+from attnlab.modules.quant_linear import QuantEmbedding, QuantLinear
+
+__all__ = ["kernel_report", "quantize_model", "quantized_layers"]
+
+log = logging.getLogger(__name__)
+
+
+def _fits(spec: LinearSpec, in_features: int) -> bool:
+    g = spec.effective_group
+    return g is None or (in_features % g == 0 and (spec.weights != "int4" or g % 2 == 0))
+
+
+def quantize_model(
+    model: nn.Module, quantize: LinearSpec | str, *, embeddings: bool = True
+) -> nn.Module:
+    """Quantize ``model``'s linear layers in place (weight-only) and return it.
+
+    Args:
+        model: any attnlab model.
+        quantize: ``"int8"``, ``"int8:g32"``, ``"int4"`` (groups of 32), ``"int4:g64"``...
+            or a :class:`LinearSpec`.
+        embeddings: also quantize ``embed_tokens`` (the LM head too when tied).
+
+    Returns:
+        ``model``, with ``model.quantization`` = ``{"weights", "group_size",
+        "float_layers"}`` (layers kept float: their width is not a multiple of the group).
+
+    Raises:
+        ValueError: a bad spec, or a model that is already quantized differently.
+    """
+    spec = LinearSpec.parse(quantize)
+    if not spec.quantized:
+        raise ValueError("quantize='float' asks for no quantization; pass 'int8' or 'int4'")
+    kept: list[str] = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear | QuantLinear):
+                if not _fits(spec, child.in_features):
+                    kept.append(full)
+                    continue
+                setattr(module, child_name, convert_linear(child, spec))
+    emb = getattr(model, "embed_tokens", None)
+    if embeddings and isinstance(emb, nn.Embedding):
+        if _fits(spec, emb.embedding_dim):
+            model.embed_tokens = QuantEmbedding.from_float(  # type: ignore[assignment]
+                emb,
+                kind=spec.weights,
+                group_size=spec.effective_group,
+                kernel=spec.kernel,
+                compute=spec.compute,
+            )
+        else:
+            kept.append("embed_tokens")
+    if kept:
+        log.info("kept float (width not a multiple of the group): %s", ", ".join(kept))
+    model.quantization = {**spec.to_dict(), "float_layers": kept}  # type: ignore[assignment]
+    return model
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    """Every quantized layer of ``model`` by its qualified name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def kernel_report(model: nn.Module) -> dict[str, Any]:
+    """Which kernel ran each quantized layer's last call, counted: ``{kernel: layers}``,
+    and one example decision per kernel under ``"why"`` (measured timings, dtype reason)."""
+    counts: dict[str, int] = {}
+    why: dict[str, str] = {}
+    for layer in quantized_layers(model).values():
+        c = layer.last_choice
+        if c is None:
+            continue
+        counts[c.chosen] = counts.get(c.chosen, 0) + 1
+        why.setdefault(c.chosen, str(c))
+    return {"kernels": counts, "why": why}

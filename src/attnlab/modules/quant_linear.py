@@ -1,0 +1,343 @@
+"""Weight-only quantized linear layers (int8, grouped int4) and a quantized embedding table.
+
+The weights are buffers in the layouts of :mod:`attnlab.functional.quant` (the GGUF
+Q8_0/Q4_0/Q4_1 layouts among them); the matmul runs in the kernel
+:mod:`attnlab.backends.qmatmul` picks (``kernel="auto"``: by measurement per shape) and
+the layer remembers which ran (``last_choice``). Each layer has ``dequantize()``, its
+weights in float, for references and for code that needs a matrix.
+
+Shape notation: ``N`` output features, ``K`` input features, ``G`` group size, ``V``
+vocabulary, ``D`` width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.backends.qmatmul import (
+    COMPUTE_POLICIES,
+    KERNELS,
+    LinearChoice,
+    choose_kernel,
+    run_kernel,
+)
+from attnlab.functional._checks import check_positive_int
+from attnlab.functional.quant import (
+    check_group_size,
+    dequantize_int4,
+    dequantize_int8,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
+
+__all__ = ["Int4Linear", "Int8Linear", "QuantEmbedding", "QuantLinear"]
+
+
+class QuantLinear(nn.Module):
+    """What the int8 and int4 layers share: shape, bias, kernel choice, forward.
+
+    Args:
+        in_features: ``K``.
+        out_features: ``N``.
+        group_size: ``G``.
+        bias: a float bias ``[N]`` (a parameter).
+        kernel: ``"auto"`` or a name in :data:`attnlab.backends.qmatmul.KERNELS`.
+        compute: the compute-dtype policy (``"auto"``: bfloat16 on CPUs with native
+            bfloat16 matmul, else the activations' dtype).
+    """
+
+    kind = ""
+    qweight: Tensor
+    scales: Tensor
+    mins: Tensor
+
+    def __init__(
+        self,
+        *,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        bias: bool = False,
+        kernel: str = "auto",
+        compute: str = "auto",
+    ) -> None:
+        super().__init__()
+        check_positive_int("in_features", in_features)
+        check_positive_int("out_features", out_features)
+        if kernel != "auto" and kernel not in KERNELS:
+            raise ValueError(f"kernel must be 'auto' or one of {list(KERNELS)}, got {kernel!r}")
+        if compute not in COMPUTE_POLICIES:
+            raise ValueError(f"compute must be one of {list(COMPUTE_POLICIES)}, got {compute!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.kernel = kernel
+        self.compute = compute
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.last_choice: LinearChoice | None = None
+        self._forms: dict[tuple[str, torch.dtype], tuple[Tensor, ...]] = {}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}, kernel={self.kernel!r}"
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """The weights as kernel ``name`` reads them in ``dtype``, built once and kept."""
+        key = (name, dtype)
+        form = self._forms.get(key)
+        if form is None or form[0].device != self.scales.device:
+            form = self._build_form(name, dtype)
+            self._forms[key] = form
+        return form
+
+    def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        self._forms.clear()  # new weights: the packed forms are rebuilt on first use
+        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._forms.clear()
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[..., K] -> [..., N]``."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        choice = choose_kernel(self, rows, x.dtype, kernel=self.kernel, compute=self.compute)
+        if not torch.compiler.is_compiling():
+            self.last_choice = choice
+        y = run_kernel(self, x, choice)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the stored weights (levels, scales, minimums), the bias left out."""
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
+
+
+class Int8Linear(QuantLinear):
+    """``y = x (scale * q)^T + b`` with int8 ``q [N, K]`` and ``scales [N, K/G]``.
+
+    ``group_size=None`` is one scale per output channel (the ``int8pack`` kernel's layout);
+    ``group_size=32`` is GGUF's Q8_0. See :class:`QuantLinear` for the other arguments.
+    """
+
+    kind = "int8"
+
+    def __init__(
+        self,
+        *,
+        in_features: int,
+        out_features: int,
+        group_size: int | None = None,
+        bias: bool = False,
+        kernel: str = "auto",
+        compute: str = "auto",
+    ) -> None:
+        g = in_features if group_size is None else check_group_size(group_size, in_features, bits=8)
+        super().__init__(
+            in_features=in_features,
+            out_features=out_features,
+            group_size=g,
+            bias=bias,
+            kernel=kernel,
+            compute=compute,
+        )
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(out_features, in_features // g))
+
+    @classmethod
+    def from_float(
+        cls, linear: nn.Linear, *, group_size: int | None = None, **kwargs: str
+    ) -> Int8Linear:
+        """Quantize an ``nn.Linear`` (round to nearest, ``scale = amax / 127`` per group)."""
+        layer = cls(
+            in_features=linear.in_features,
+            out_features=linear.out_features,
+            group_size=group_size,
+            bias=linear.bias is not None,
+            **kwargs,
+        )
+        q, scales = quantize_int8(linear.weight, group_size)
+        layer.set_weights(q, scales)
+        if linear.bias is not None:
+            assert layer.bias is not None
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    def set_weights(self, q: Tensor, scales: Tensor) -> None:
+        """Store int8 ``q [N, K]`` and ``scales [N, K/G]`` (copied, scales as float32)."""
+        want = (
+            (self.out_features, self.in_features),
+            (self.out_features, self.in_features // self.group_size),
+        )
+        if tuple(q.shape) != want[0] or q.dtype != torch.int8 or tuple(scales.shape) != want[1]:
+            raise ValueError(
+                f"int8 weights must be int8 {want[0]} with scales {want[1]}, got {q.dtype} "
+                f"{tuple(q.shape)} and {tuple(scales.shape)}"
+            )
+        self.qweight.copy_(q)
+        self.scales.copy_(scales.to(torch.float32))
+        self._forms.clear()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``scale * q`` as ``[N, K]``."""
+        return dequantize_int8(self.qweight, self.scales, dtype)
+
+    def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        assert name == "int8pack"
+        return self.qweight.contiguous(), self.scales[:, 0].to(dtype).contiguous()
+
+
+class Int4Linear(QuantLinear):
+    """``y = x (scale * q + min)^T + b`` with 4-bit levels ``q`` in groups of ``G``.
+
+    Stores ``qweight`` uint8 ``[N, K/2]`` (two levels a byte, the even column low),
+    ``scales`` and ``mins`` float32 ``[N, K/G]``: GGUF's Q4_1 with ``G = 32`` (Q4_0 has
+    ``min = -8 scale``). See :class:`QuantLinear` for the other arguments.
+    """
+
+    kind = "int4"
+
+    def __init__(
+        self,
+        *,
+        in_features: int,
+        out_features: int,
+        group_size: int = 32,
+        bias: bool = False,
+        kernel: str = "auto",
+        compute: str = "auto",
+    ) -> None:
+        check_group_size(group_size, in_features, bits=4)
+        super().__init__(
+            in_features=in_features,
+            out_features=out_features,
+            group_size=group_size,
+            bias=bias,
+            kernel=kernel,
+            compute=compute,
+        )
+        n, groups = out_features, in_features // group_size
+        self.register_buffer("qweight", torch.zeros(n, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(n, groups))
+        self.register_buffer("mins", torch.zeros(n, groups))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, *, group_size: int = 32, **kwargs: str) -> Int4Linear:
+        """Quantize an ``nn.Linear`` (min/max per group, round to nearest: llama.cpp's Q4_1)."""
+        layer = cls(
+            in_features=linear.in_features,
+            out_features=linear.out_features,
+            group_size=group_size,
+            bias=linear.bias is not None,
+            **kwargs,
+        )
+        levels, scales, mins = quantize_int4(linear.weight, group_size)
+        layer.set_weights(levels, scales, mins)
+        if linear.bias is not None:
+            assert layer.bias is not None
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    def set_weights(self, levels: Tensor, scales: Tensor, mins: Tensor) -> None:
+        """Store levels ``[N, K]`` in ``0..15`` (any integer dtype) with ``scales``/``mins``
+        ``[N, K/G]`` (as float32)."""
+        n, k, g = self.out_features, self.in_features, self.in_features // self.group_size
+        ok = (
+            tuple(levels.shape) == (n, k)
+            and not levels.is_floating_point()
+            and tuple(scales.shape) == (n, g)
+            and tuple(mins.shape) == (n, g)
+        )
+        if not ok:
+            raise ValueError(
+                f"int4 weights must be integer levels {(n, k)} with scales and mins {(n, g)}, "
+                f"got {levels.dtype} {tuple(levels.shape)}, {tuple(scales.shape)}, {tuple(mins.shape)}"
+            )
+        if levels.numel() and (int(levels.min()) < 0 or int(levels.max()) > 15):
+            raise ValueError(
+                f"int4 levels must lie in 0..15, got {int(levels.min())}..{int(levels.max())}"
+            )
+        self.qweight.copy_(pack_nibbles(levels))
+        self.scales.copy_(scales.to(torch.float32))
+        self.mins.copy_(mins.to(torch.float32))
+        self._forms.clear()
+
+    def levels(self) -> Tensor:
+        """The stored levels, ``[N, K]`` uint8 in ``0..15``."""
+        return unpack_nibbles(self.qweight)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``scale * q + min`` as ``[N, K]``."""
+        return dequantize_int4(self.levels(), self.scales, self.mins, dtype)
+
+    def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        assert name == "int4pack"
+        packed = torch._convert_weight_to_int4pack_for_cpu(self.levels().to(torch.int32), 2)
+        # the kernel computes (q - 8) * scale + zero: zero = min + 8 * scale
+        zeros = self.mins + 8.0 * self.scales
+        sz = torch.stack([self.scales, zeros], dim=-1).transpose(0, 1)  # [K/G, N, 2]
+        return packed, sz.to(dtype).contiguous()
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored as a quantized ``[V, D]`` layer: rows are looked up and
+    expanded, and the same table multiplies as a tied LM head (:meth:`logits`).
+
+    Args:
+        table: an :class:`Int8Linear` or :class:`Int4Linear` with ``out_features = V``.
+    """
+
+    def __init__(self, *, table: QuantLinear) -> None:
+        super().__init__()
+        if not isinstance(table, QuantLinear):
+            raise TypeError(
+                f"table must be an Int8Linear or Int4Linear, got {type(table).__name__}"
+            )
+        self.table = table
+        self.num_embeddings = table.out_features
+        self.embedding_dim = table.in_features
+
+    @classmethod
+    def from_float(
+        cls, embedding: nn.Embedding, *, kind: str, group_size: int | None, **kwargs: str
+    ) -> QuantEmbedding:
+        """Quantize an ``nn.Embedding`` row by row (as a ``[V, D]`` weight)."""
+        lin = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
+        lin.weight = embedding.weight
+        if kind == "int8":
+            return cls(table=Int8Linear.from_float(lin, group_size=group_size, **kwargs))
+        return cls(table=Int4Linear.from_float(lin, group_size=group_size or 32, **kwargs))
+
+    @property
+    def weight(self) -> Tensor:
+        """The table in float32, ``[V, D]`` (expanded on each access)."""
+        return self.table.dequantize(torch.float32)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """``[...]`` token ids -> ``[..., D]`` rows in the scales' dtype (float32 unless
+        the model was cast)."""
+        t = self.table
+        flat = ids.reshape(-1)
+        scales = t.scales[flat]  # [n, D/G]
+        if isinstance(t, Int8Linear):
+            rows = dequantize_int8(t.qweight[flat], scales, scales.dtype)
+        else:
+            assert isinstance(t, Int4Linear)
+            levels = unpack_nibbles(t.qweight[flat])
+            rows = dequantize_int4(levels, scales, t.mins[flat], scales.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """``[..., D] -> [..., V]``: the table as a tied output layer."""
+        return self.table(x)
