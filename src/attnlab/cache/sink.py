@@ -22,6 +22,8 @@ same slots: the sinks at ``j + E``, the recent keys at their own slots.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -114,9 +116,10 @@ class SinkKVCache(KVCache):
     def _shifted_sinks(self) -> Tensor | None:
         if self.sink_k is None or self.rotary is None or self.evicted == 0:
             return self.sink_k
+        rotary: Any = self.rotary
         pos = torch.full((self.sink_k.shape[2],), self.evicted, device=self.sink_k.device)
-        cos, sin = rope_angles(pos, self.rotary.inv_freq.to(pos.device))  # a pure rotation
-        shifted = apply_rope(self.sink_k.float(), cos, sin, convention=self.rotary.convention)
+        cos, sin = rope_angles(pos, rotary.inv_freq.to(pos.device))  # a pure rotation
+        shifted = apply_rope(self.sink_k.float(), cos, sin, convention=rotary.convention)
         return shifted.to(self.sink_k.dtype)
 
     def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
