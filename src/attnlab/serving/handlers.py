@@ -21,6 +21,7 @@ from attnlab.serving.protocol import (
     APIError,
     StreamOptions,
     check_fields,
+    check_text,
     sampling_params,
     stream_options,
 )
@@ -31,25 +32,6 @@ __all__ = ["Routes", "bool_field", "sse", "stream_flag", "usage"]
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def _check_text(body: Any) -> None:
-    """Refuse strings that are not Unicode text (a lone surrogate such as ``"\\ud800"``)."""
-    stack = [body]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(
-                    400, "the request holds a string that is not valid Unicode (a lone surrogate)"
-                ) from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 def usage(prompt_tokens: int, generated: int) -> dict[str, int]:
@@ -101,7 +83,7 @@ class Routes:
             raise APIError(400, "the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        _check_text(body)
+        check_text(body)
         if body.get("model") != self.model_name:
             raise APIError(
                 404,
