@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
+from attnlab.generation.streaming import is_sink_cache, prefill_sink_cache
 
 __all__ = ["generate", "stream"]
 
@@ -153,13 +154,21 @@ def stream(
         full_mask[:, :p] = attention_mask
         next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    logits = model(
-        input_ids,
-        attention_mask=full_mask[:, :p] if full_mask is not None else None,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits
+    if is_sink_cache(cache):  # a stream past the context: fixed-size cache, prompt in chunks
+        if compile or full_mask is not None:
+            raise ValueError(
+                "a sink cache decodes eagerly and unpadded (its rows share one layout): "
+                "pass compile=False and no padded attention_mask"
+            )
+        logits = prefill_sink_cache(model, input_ids, cache)
+    else:
+        logits = model(
+            input_ids,
+            attention_mask=full_mask[:, :p] if full_mask is not None else None,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
     # models without a trusted decode step (recurrent, encoder-decoder) run their forward
     step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
     backend: str | None = None
