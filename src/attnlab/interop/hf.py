@@ -113,6 +113,7 @@ def register_converter(conv: Converter) -> Converter:
 
 def _ensure_registered() -> None:
     from attnlab.interop import (  # noqa: F401  (registers)
+        bamba,
         bert,
         bloom,
         gemma,
@@ -124,6 +125,7 @@ def _ensure_registered() -> None:
         moe,
         phi3,
         qwen,
+        qwen3_next,
         recurrent_gemma,
         ssm,
         t5,
