@@ -120,8 +120,15 @@ def atomic_folder(dest: str | Path, *, tag: str | None = None) -> Iterator[Path]
 
     Raises:
         OSError: the parent folder cannot be created or written.
+        ValueError: ``dest`` is the working folder, one of its parents, or the home folder.
     """
     dest = Path(dest)
+    here = Path.cwd().resolve()
+    if dest.resolve() in (here, *here.parents, Path.home().resolve()):
+        raise ValueError(
+            f"{str(dest)!r} would replace the working folder, one of its parents or the home "
+            "folder; give a folder of its own"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(dest, tag or str(os.getpid()))
     if tmp.exists():  # a leftover of a killed write with the same tag

@@ -131,7 +131,10 @@ def test_convert_folder_to_gguf_and_back(
     gguf_file = tmp_path / "tiny.q8_0.gguf"
     assert main(["convert", str(folder), str(gguf_file), "--dtype", "q8_0"]) == 0
     back = tmp_path / "back"
-    assert main(["convert", str(gguf_file), str(back)]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(gguf_file), str(back), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["out"] == str(back) and report["mib"] > 0
     ids = torch.tensor([[1, 7, 30, 200]])
     with torch.no_grad():
         a = attnlab.from_gguf(gguf_file)(input_ids=ids).logits

@@ -66,8 +66,8 @@ def test_query_ranks_lines(notes: Path, capsys: pytest.CaptureFixture[str]) -> N
         (["embed", "missing.txt"], "does not exist"),
         (["embed", "NOTES", "--out", "x.csv"], "cannot tell the format"),
         (["embed", "NOTES", "--format", "npy"], "needs --out"),
-        (["embed", "NOTES", "--query", "q", "--top", "0"], "--top must be >= 1"),
-        (["embed", "NOTES", "--model", "no-such-dir"], "is not a folder"),
+        (["embed", "NOTES", "--query", "q", "--top", "0"], "--top: must be a positive int"),
+        (["embed", "NOTES", "--batch-size", "-1"], "--batch-size: must be a positive int"),
     ],
 )
 def test_user_errors_exit_2(
@@ -77,3 +77,10 @@ def test_user_errors_exit_2(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_missing_model_folder_exits_1_as_for_every_command(
+    notes: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["embed", str(notes), "--model", "no-such-dir"]) == 1
+    assert "no-such-dir does not exist" in capsys.readouterr().err

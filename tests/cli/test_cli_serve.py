@@ -1,7 +1,9 @@
-"""``attnlab serve``: user errors are one line on stderr with exit 2, never a traceback."""
+"""``attnlab serve``: user errors are one line on stderr, never a traceback: exit 2 for a
+malformed argument, 1 for a folder that holds no model (as for every command)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,10 @@ from attnlab.cli.main import main
 def test_serve_rejects_a_folder_without_a_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["serve", str(tmp_path)]) == 1  # a damaged model folder: ModelFileError
+    with socket.socket() as s:  # a free port: serve binds it before loading the model
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", str(tmp_path), "--port", str(port)]) == 1  # ModelFileError
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith("loading ") and len(lines) == 2  # what it loads, then one error
     assert lines[1].startswith("attnlab serve: error:") and "no config.json" in lines[1]

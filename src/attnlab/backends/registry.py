@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.cost_model import Estimate, gather_seconds
-from attnlab.functional._checks import check_attention_inputs, check_positions
+from attnlab.functional._checks import check_attention_inputs, check_mask_kind, check_positions
 from attnlab.functional.attention import AttnMask, pattern_mask, resolve_mask
 from attnlab.functional.masks import MaskPattern
 
@@ -71,6 +71,7 @@ class AttentionCall:
         elif isinstance(attn_mask, MaskPattern):
             kind = "pattern"
         else:
+            check_mask_kind(attn_mask)  # a list or an array: named, before .dtype is read
             kind = "bool" if attn_mask.dtype == torch.bool else "float"
         needs_grad = (
             torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

@@ -23,6 +23,16 @@ from attnlab._validate import check_int, check_real, check_seed
 
 T = TypeVar("T")
 
+
+class ReportedFailure(Exception):
+    """The command printed its report, and the report says the work did not succeed.
+
+    :func:`attnlab.cli.main.main` prints ``attnlab CMD: error: MESSAGE`` on stderr and
+    exits 1 (``advise`` whose advice does not fit, ``diagnose`` that found a fault), so a
+    non-zero status always comes with a line saying why.
+    """
+
+
 # ------------------------------------------------------------------------- argument types
 
 

@@ -6,7 +6,13 @@ import argparse
 from typing import Any
 
 from attnlab._validate import check_real
-from attnlab.cli._common import _number_type, positive_float, positive_int, print_json
+from attnlab.cli._common import (
+    ReportedFailure,
+    _number_type,
+    positive_float,
+    positive_int,
+    print_json,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -109,7 +115,13 @@ def run_sizing(args: argparse.Namespace) -> int:
         print_json(advice.to_dict())
     else:
         print(advice.summary())
-    return 0 if advice.fits else 1
+    return _status(advice.fits)
+
+
+def _status(fits: bool) -> int:
+    if not fits:
+        raise ReportedFailure("no setting fits the budget (the report says what is closest)")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,4 +157,4 @@ def run(args: argparse.Namespace) -> int:
         print_json(advice.to_dict())
     else:
         print(advice.summary())
-    return 0 if advice.fits else 1
+    return _status(advice.fits)

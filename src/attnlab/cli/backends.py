@@ -19,17 +19,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-len", type=positive_int, default=None, help="key length (default: --seq-len)"
     )
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--heads", type=positive_int, default=12)
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=positive_int, default=12, help="query heads (default 12)")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (GQA)")
-    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension (default 64)")
     p.add_argument(
         "--mask",
         default="causal",
         help="none, causal, window:W (causal window of W keys), or window:LEFT:RIGHT",
     )
     p.add_argument(
-        "--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"]
+        "--dtype",
+        default="float32",
+        choices=["float16", "bfloat16", "float32", "float64"],
+        help="dtype of the call (default float32)",
     )
     p.add_argument("--grad", action="store_true", help="gradients are needed (training)")
     p.add_argument("--weights", action="store_true", help="attention weights are returned")

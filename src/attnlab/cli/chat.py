@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.cli._common import (
-    any_int,
     positive_float,
     positive_int,
     print_json,
     probability_float,
+    seed_int,
 )
 
 
@@ -34,7 +34,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "or lines on stdin for scripts."
         ),
     )
-    p.add_argument("model", nargs="?", type=Path, default=None, metavar="MODEL")
+    p.add_argument(
+        "model",
+        nargs="?",
+        type=Path,
+        default=None,
+        metavar="MODEL",
+        help="a transformers model folder or a .gguf file (default SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--prompt", help="answer this one message and exit")
     p.add_argument("--system", default=None, help="a system prompt (default: the template's)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, or 'chatml'")
@@ -46,10 +53,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="tokens of history kept (default: the model's context window)",
     )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=positive_float, default=None)
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=probability_float, default=None)
-    p.add_argument("--seed", type=any_int, default=0, help="seed of the sampler")
+    p.add_argument(
+        "--temperature",
+        type=positive_float,
+        default=None,
+        help="with --sample: divide the logits by this (default 1.0)",
+    )
+    p.add_argument(
+        "--top-k", type=positive_int, default=None, help="with --sample: the K most likely only"
+    )
+    p.add_argument(
+        "--top-p",
+        type=probability_float,
+        default=None,
+        help="with --sample: nucleus sampling mass P in (0, 1]",
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the sampler")
     p.add_argument(
         "--json",
         action="store_true",

@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="f32",
         help="type of the matrices in an OUT .gguf (default f32; norms stay f32)",
     )
+    p.add_argument(
+        "--json", action="store_true", help="print what was written (path, MiB, source) as JSON"
+    )
     p.set_defaults(func=run)
 
 
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
         export_model(lm.model, args.output, tokenizer=_SavesTo(lm.tokenizer))
     size = sum(f.stat().st_size for f in _files(args.output)) / 2**20
+    if args.json:
+        from attnlab.cli._common import print_json
+
+        print_json({"out": str(args.output), "mib": size, "from": str(args.input)})
     print(f"wrote {args.output} ({size:.1f} MiB) from {args.input}", file=sys.stderr)
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnlab.cli._common import print_json
+from attnlab.cli._common import ReportedFailure, print_json
 
 FAULTS = ("nan-weights", "blank-mask", "float-mask", "overflow", "collapsed-router")
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     progress.step("done")
     if args.json:
         print_json(report.to_dict())
-        return 0 if report.ok else 1
+        return _status(report)
     print(f"model: {name}; backend: {report.backend}")
     print(report.summary())
     if report.first_nonfinite_module:
@@ -103,4 +103,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{h.max_weight:10.3f}  {h.first_token_share:11.3f}  {h.fully_masked_rows:>11}  "
                 f"{h.mean_distance:8.2f}"
             )
-    return 0 if report.ok else 1
+    return _status(report)
+
+
+def _status(report: Any) -> int:
+    if report.ok:
+        return 0
+    first = report.first_nonfinite_module
+    where = f"; first non-finite module: {first}" if first else ""
+    raise ReportedFailure(f"the diagnosis found {len(report.issues)} issue(s){where}")

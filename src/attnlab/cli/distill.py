@@ -7,7 +7,13 @@ import json
 from typing import Any
 
 from attnlab._validate import check_int
-from attnlab.cli._common import nonnegative_float, positive_float, positive_int, seed_int
+from attnlab.cli._common import (
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    seed_int,
+    writable_dir,
+)
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -84,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         "device",
     )
     cfg = DistillConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    if args.out is not None:  # before the work, naming the flag
+        writable_dir("--out", args.out)
     r = distill_sentence_encoder(args.teacher, config=cfg, out=args.out, progress=not args.json)
     if args.json:
         print(json.dumps(r.to_dict(), indent=2, allow_nan=False))

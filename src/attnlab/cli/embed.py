@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import struct
 import sys
 from pathlib import Path
 from typing import Any
+
+from attnlab._files import atomic_write_bytes, atomic_write_text
+from attnlab.cli._common import positive_int, print_json, writable_file
 
 FORMATS = ("jsonl", "npy")
 
@@ -45,9 +49,18 @@ def add_parser(sub: Any) -> None:
         "--format", choices=FORMATS, default=None, help="output format (default from --out)"
     )
     p.add_argument("--query", default=None, help="rank the lines by similarity to this text")
-    p.add_argument("--top", type=int, default=5, help="lines to show with --query (default 5)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--top", type=positive_int, default=5, help="lines to show with --query (default 5)"
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=32, help="texts per forward (default 32)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of the model (default float32)",
+    )
     p.add_argument(
         "--strategy",
         choices=("auto", "packed", "padded"),
@@ -59,30 +72,61 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="print what ran (layout and why, truncation, pooling, backend) on stderr",
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout: the embeddings (or, with --out, what was "
+        "written; with --query, the ranked lines) instead of JSON lines or a table",
+    )
     p.set_defaults(func=run)
+
+
+_NEWLINE = re.compile(r"\r\n|\n|\r")
+
+
+def split_lines(text: str) -> list[str]:
+    """``text`` split at ``\\n``, ``\\r\\n`` and ``\\r`` only, so line numbers are
+    the ones an editor shows: a form feed or another character that
+    :meth:`str.splitlines` also splits at (``\\f``, ``\\v``, ``\\x1c``-``\\x1e``,
+    ``\\x85``, ``\\u2028``, ``\\u2029``) stays inside its line. A final newline ends the
+    last line; it does not start an empty one."""
+    lines = _NEWLINE.split(text)
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
 
 
 def _read_lines(name: str) -> list[str]:
     if name == "-":
-        return sys.stdin.read().splitlines()
+        stdin = sys.stdin
+        if stdin is None or stdin.closed:
+            raise ValueError("FILE '-': standard input is closed; give a file, or pipe text in")
+        try:
+            data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"FILE '-': standard input cannot be read: {e}") from None
+        try:
+            return split_lines(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"FILE '-' is not UTF-8 text: {e}") from None
     path = Path(name)
     if not path.is_file():
         raise ValueError(f"FILE {name!r} does not exist or is not a file")
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        return split_lines(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"FILE {name!r} is not UTF-8 text: {e}") from None
 
 
 def write_npy(path: Path, rows: list[list[float]], width: int) -> None:
-    """Write a float32 ``(len(rows), width)`` array in NumPy's ``.npy`` format (version 1.0)."""
+    """Write a float32 ``(len(rows), width)`` array in NumPy's ``.npy`` format (version 1.0),
+    atomically (:func:`attnlab._files.atomic_write_bytes`)."""
     header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({len(rows)}, {width}), }}"
     pad = 64 - (10 + len(header) + 1) % 64
     header = header + " " * (pad % 64) + "\n"
-    with path.open("wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1"))
-        for row in rows:
-            f.write(struct.pack(f"<{width}f", *row))
+    parts = [b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1")]
+    parts += [struct.pack(f"<{width}f", *row) for row in rows]
+    atomic_write_bytes(path, b"".join(parts))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,10 +134,6 @@ def run(args: argparse.Namespace) -> int:
 
     import attnlab
 
-    if args.top < 1:
-        raise ValueError(f"--top must be >= 1, got {args.top}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     fmt = args.format
     if fmt is None and args.out is not None:
         fmt = args.out.suffix.lstrip(".")
@@ -105,9 +145,9 @@ def run(args: argparse.Namespace) -> int:
     fmt = fmt or "jsonl"
     if fmt == "npy" and args.out is None and args.query is None:
         raise ValueError("--format npy needs --out FILE (binary output is not written to stdout)")
+    if args.out is not None:  # before the work
+        writable_file("--out", args.out)
     lines = _read_lines(args.file)
-    if args.model is not None and not args.model.is_dir():
-        raise ValueError(f"--model {str(args.model)!r} is not a folder")
     model = attnlab.load_embedding_model(args.model)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     emb, report = model.encode(
@@ -128,21 +168,25 @@ def run(args: argparse.Namespace) -> int:
     if args.query is not None:
         return _search(model, args, lines, emb, dtype)
     rows = emb.tolist()
+    width = emb.shape[-1] if emb.dim() == 2 else 0
+    records = [
+        {"line": i, "text": t, "embedding": v} for i, (t, v) in enumerate(zip(lines, rows), 1)
+    ]
+    if args.out is None and args.json:
+        print_json({"count": len(rows), "width": width, "embeddings": records})
+        return 0
     if fmt == "npy":
         assert args.out is not None
-        write_npy(args.out, rows, emb.shape[-1] if emb.dim() == 2 else 0)
+        write_npy(args.out, rows, width)
+    elif args.out is not None:
+        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in records))
     else:
-        out = args.out.open("w", encoding="utf-8") if args.out is not None else sys.stdout
-        try:
-            for i, (text, vec) in enumerate(zip(lines, rows), 1):
-                out.write(json.dumps({"line": i, "text": text, "embedding": vec}) + "\n")
-        finally:
-            if args.out is not None:
-                out.close()
+        for r in records:
+            sys.stdout.write(json.dumps(r) + "\n")
     if args.out is not None:
-        print(
-            f"wrote {len(rows)} embeddings of width {emb.shape[-1]} to {args.out}", file=sys.stderr
-        )
+        if args.json:
+            print_json({"count": len(rows), "width": width, "out": str(args.out), "format": fmt})
+        print(f"wrote {len(rows)} embeddings of width {width} to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -155,7 +199,11 @@ def _search(model: Any, args: argparse.Namespace, lines: list[str], emb: Any, dt
         raise ValueError(f"FILE {args.file!r} has no non-empty line to rank")
     scores = F.cosine_similarity(emb[keep], query.unsqueeze(0), dim=-1)
     top = scores.topk(min(args.top, len(keep)))
-    for s, j in zip(top.values.tolist(), top.indices.tolist()):
-        i = keep[j]
+    found = [(s, keep[j]) for s, j in zip(top.values.tolist(), top.indices.tolist())]
+    if args.json:
+        results = [{"score": s, "line": i + 1, "text": lines[i]} for s, i in found]
+        print_json({"query": args.query, "results": results})
+        return 0
+    for s, i in found:
         print(f"{s:.4f}  {i + 1:>5}  {lines[i]}")
     return 0

@@ -6,6 +6,15 @@ import argparse
 import sys
 from typing import Any
 
+from attnlab.cli._common import (
+    int_at_least,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    seed_int,
+)
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -31,10 +40,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", help="a transformers model folder or a .gguf file")
     p.add_argument("data", help="chat rows, one JSON object per line")
     p.add_argument("--eval-data", help="held-out rows (default: --heldout-percent of DATA)")
-    p.add_argument("--heldout-percent", type=int, default=10)
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument(
+        "--heldout-percent",
+        type=int_at_least(1),
+        default=10,
+        help="share of DATA held out when --eval-data is not given (default 10)",
+    )
+    p.add_argument("--lora-rank", type=positive_int, default=16, help="LoRA rank r (default 16)")
+    p.add_argument(
+        "--lora-alpha", type=positive_float, default=32.0, help="LoRA scale alpha (default 32)"
+    )
+    p.add_argument(
+        "--lora-dropout",
+        type=nonnegative_float,
+        default=0.05,
+        help="dropout on the LoRA input (default 0.05)",
+    )
     p.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(rank) (rsLoRA)")
     p.add_argument(
         "--targets",
@@ -44,18 +65,49 @@ def add_parser(sub: Any) -> None:
         ),
     )
     p.add_argument("--qlora", action="store_true", help="hold the frozen base in NF4 (QLoRA)")
-    p.add_argument("--max-len", type=int, default=512, help="tokens per packed row")
-    p.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
-    p.add_argument("--micro-batch-size", type=int, default=0)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=positive_int, default=512, help="tokens per packed row")
+    p.add_argument(
+        "--layout",
+        choices=["auto", "packed", "padded"],
+        default="auto",
+        help="packed rows or length-grouped padded batches (default: the cost model chooses)",
+    )
+    p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps (default 100)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="rows per optimizer step")
+    p.add_argument(
+        "--micro-batch-size",
+        type=nonnegative_int,
+        default=0,
+        help="rows per forward, accumulated up to --batch-size (0 = all at once)",
+    )
+    p.add_argument("--lr", type=positive_float, default=2e-4, help="AdamW learning rate (2e-4)")
+    p.add_argument(
+        "--warmup-steps", type=nonnegative_int, default=10, help="linear warm-up steps (10)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute dtype (bfloat16: autocast; default float32)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer in the backward (less memory, more time)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=nonnegative_int,
+        default=0,
+        help="held-out loss every N steps (0 = before and after only)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=nonnegative_int,
+        default=0,
+        help="checkpoint every N steps (0 = at the end only)",
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of data order and LoRA init")
     p.add_argument("--out", default="runs/finetune", help="output folder")
     p.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoint folder, or 'latest'")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -43,11 +43,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=token_ids,
         help="the prompt as token ids separated by spaces or commas (instead of text)",
     )
-    p.add_argument("--max-new-tokens", type=nonnegative_int, default=32)
+    p.add_argument(
+        "--max-new-tokens",
+        type=nonnegative_int,
+        default=32,
+        help="the most tokens to generate (default 32; fewer at --eos)",
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=positive_float, default=1.0)
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=probability_float, default=None)
+    p.add_argument(
+        "--temperature",
+        type=positive_float,
+        default=None,
+        help="with --sample: divide the logits by this (default 1.0)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=positive_int,
+        default=None,
+        help="with --sample: draw among the K most likely tokens only",
+    )
+    p.add_argument(
+        "--top-p",
+        type=probability_float,
+        default=None,
+        help="with --sample: draw from the smallest set of tokens whose probability reaches P "
+        "(nucleus sampling), P in (0, 1]",
+    )
     p.add_argument("--eos", type=nonnegative_int, default=None, help="end-of-sequence token id")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the random model and sampler")
     p.add_argument(
@@ -123,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
 
     import attnlab
 
+    given = [f for f in ("temperature", "top_k", "top_p") if getattr(args, f) is not None]
+    if given and not args.sample:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise ValueError(f"{flags} apply to sampling only: add --sample, or drop them")
     if args.model is not None:
         model = attnlab.from_hf(args.model)
         tokenizer = model.tokenizer if args.model.is_file() else _tokenizer(args.model)
@@ -149,6 +174,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--ids: token id {max(prompt)} is outside the model's vocabulary [0, {vocab})"
         )
+    if args.random is not None:  # said once the arguments are known to be good
+        print(
+            f"note: --random {args.random} is an untrained model with random weights "
+            f"(seed {args.seed}): its output is noise, useful to try the command only",
+            file=sys.stderr,
+        )
     eos = args.eos if args.eos is not None else getattr(model.config, "eos_token_id", None)
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.tensor([prompt])
@@ -166,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         ids,
         args.max_new_tokens,
         do_sample=args.sample,
-        temperature=args.temperature,
+        temperature=1.0 if args.temperature is None else args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         eos_token_id=eos,

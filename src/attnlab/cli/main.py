@@ -113,8 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s: %(message)s",
     )
+    from attnlab.cli._common import ReportedFailure
+
     try:
         code: int = args.func(args)
+    except ReportedFailure as e:  # the report is printed (as JSON too): one line says why
+        print(f"attnlab {args.command}: error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -132,7 +137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not known:  # a bug, not a user error: say where to look
             what = f"internal error ({type(e).__name__}): {what}; run with -v for the traceback"
         print(f"attnlab {args.command}: error: {what}", file=sys.stderr)
+        if getattr(args, "json", False):  # --json: stdout holds one JSON document, even now
+            from attnlab.cli._common import print_json
+
+            print_json({"error": what, "status": status, "command": args.command})
         return status
+    if code:  # a command that failed without saying why: never a silent non-zero status
+        print(f"attnlab {args.command}: error: exit status {code}", file=sys.stderr)
     return code
 
 

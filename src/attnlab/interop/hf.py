@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.errors import ModelFileError
-from attnlab.interop.checkpoints import load_safetensors_dir, read_config
+from attnlab.interop.checkpoints import check_model_folder, load_safetensors_dir, read_config
 
 __all__ = [
     "Converter",
@@ -170,12 +170,7 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
             from attnlab.interop.gguf import from_gguf
 
             return from_gguf(folder)  # type: ignore[no-any-return]
-        if not folder.is_dir():
-            what = "does not exist" if not folder.exists() else "is not a folder"
-            raise ModelFileError(
-                f"{folder} {what}; pass a local model folder (config.json + safetensors) or a "
-                "transformers model"
-            )
+        folder = check_model_folder(folder)
         cfg = read_config(folder)
         archs = cfg.get("architectures")
         arch = archs[0] if isinstance(archs, list) and archs else str(cfg["model_type"])

@@ -56,9 +56,9 @@ def read_sentence_settings(folder: str | Path) -> SentenceSettings:
         ValueError: the folder does not exist, a JSON file is malformed, or the pooling
             config asks for a mode attnlab does not implement (weighted mean, last token).
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder")
+    from attnlab.interop.checkpoints import check_model_folder
+
+    folder = check_model_folder(folder)
     max_len: int | None = None
     sbert = folder / "sentence_bert_config.json"
     if sbert.is_file():

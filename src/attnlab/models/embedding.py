@@ -290,6 +290,11 @@ def _as_sequences(
         ids, cut = _tokenize(tokenizer, items, max_len)
         return ids, cut, single
     for i, x in enumerate(items):
+        if isinstance(x, bytes | bytearray):  # a Sequence of ints, but not token ids
+            raise TypeError(
+                f"inputs: item {i} is {type(x).__name__} ({bytes(x)[:40]!r}); pass text as str "
+                "(decode it first) or token ids as a list of ints"
+            )
         ok = isinstance(x, Sequence | Tensor) and not isinstance(x, str)
         if ok and isinstance(x, Tensor):
             x = x.tolist()
@@ -394,7 +399,11 @@ def encode(
     max_len = min(settings.max_seq_length or limit, limit)
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     seqs, cut, single = _as_sequences(inputs, tokenizer, max_len, model.config.vocab_size)
-    do_norm = settings.normalize if normalize is None else bool(normalize)
+    if normalize is not None and not isinstance(normalize, bool):
+        raise TypeError(
+            f"normalize must be True, False or None (the model's setting), got {normalize!r}"
+        )
+    do_norm = settings.normalize if normalize is None else normalize
     width = model.config.hidden_size * len(settings.pooling)
     report = EncodeReport(
         strategy="padded",

@@ -47,6 +47,19 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
+def _check_state_dtype(cache: ModelCache, dtype: torch.dtype) -> None:
+    """A cache continued by this model holds states of the dtype it computes in."""
+    for i, layer in enumerate(cache.layers):
+        held: list[Tensor] = getattr(layer, "_tensors", list)()
+        other = next((t.dtype for t in held if t.dtype != dtype), None)
+        if other is not None:
+            raise TypeError(
+                f"past_key_values: layer {i} holds {other} states, written by a model of "
+                f"another dtype; this model computes in {dtype} (start a new cache, or "
+                "convert the model to the cache's dtype)"
+            )
+
+
 class RecurrentLM(nn.Module):
     """What the recurrent language models share: embeddings, blocks with states, LM head.
 
@@ -127,6 +140,8 @@ class RecurrentLM(nn.Module):
                 f"past_key_values has {len(cache.layers)} layer states, the model has "
                 f"{len(self.layers)} layers"
             )
+        if cache is not None:
+            _check_state_dtype(cache, x.dtype)
         start = cache.length if cache is not None else 0
         mask, positions = self._mask_and_positions(attention_mask, position_ids, b, start, n, x)
         x = self._embed(x)
@@ -175,6 +190,14 @@ class RecurrentLM(nn.Module):
                 raise ValueError(
                     f"inputs_embeds must be (batch, seq_len, {d}), got {tuple(inputs_embeds.shape)}"
                 )
+            want = self.embed_tokens.weight.dtype
+            if inputs_embeds.dtype != want:
+                raise TypeError(
+                    f"inputs_embeds is {inputs_embeds.dtype}, the model's weights are {want}: "
+                    f"pass inputs_embeds.to({want}) or convert the model"
+                )
+            if inputs_embeds.shape[1] == 0:
+                raise ValueError("inputs_embeds has no tokens (seq_len 0); pass at least one")
             return inputs_embeds
         assert input_ids is not None
         check_tensor("input_ids", input_ids)
@@ -182,6 +205,10 @@ class RecurrentLM(nn.Module):
             raise ValueError(
                 f"input_ids must be integer (batch, seq_len), got {input_ids.dtype} "
                 f"{tuple(input_ids.shape)}"
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids has no tokens (shape {tuple(input_ids.shape)}); pass at least one"
             )
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= v):
             raise ValueError(

@@ -77,6 +77,11 @@ class MambaConfig(ConfigBase):
             check_positive_int(name, getattr(self, name))
         if self.version not in (1, 2):
             raise ValueError(f"version must be 1 (Mamba) or 2 (Mamba-2), got {self.version!r}")
+        if len(self.dt_limit) != 2 or not 0 <= self.dt_limit[0] <= self.dt_limit[1]:
+            raise ValueError(
+                f"dt_limit must be (low, high) with 0 <= low <= high (high may be inf), "
+                f"got {tuple(self.dt_limit)!r}"
+            )
         self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))
         if self.dt_rank is None:
             self.dt_rank = math.ceil(self.hidden_size / 16)

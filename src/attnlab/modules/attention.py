@@ -280,6 +280,14 @@ class MultiHeadAttention(nn.Module):
             )
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key length {key.shape[1]} != value length {value.shape[1]}")
+        want = self.q_proj.weight.dtype
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            mixed = t.dtype != want and not torch.is_autocast_enabled(t.device.type)
+            if not t.is_floating_point() or mixed:  # not the projection's "mat1 and mat2"
+                raise TypeError(
+                    f"{name} is {t.dtype}; this module's weights are {want}: pass {want} "
+                    "hidden states (token ids go through an embedding first)"
+                )
 
     @staticmethod
     def _with_padding(attn_mask: AttnMask, attention_mask: Tensor, b: int, s: int) -> AttnMask:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._validate import check_int, check_positive_int
 from attnlab.cache.paged import OutOfBlocks, PagedKVPool
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.metrics import EngineMetrics
@@ -188,6 +190,18 @@ class Engine:
             or not hasattr(model, "new_cache")
         ):
             raise TypeError(f"the engine serves attnlab decoders, got {type(model).__name__}")
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),  # 0 would never admit a request: a hang
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("kv_cache_bytes", kv_cache_bytes),
+        ):
+            check_positive_int(name, value)
+        check_int("max_waiting", max_waiting, min_value=0)
+        if num_blocks is not None:
+            check_positive_int("num_blocks", num_blocks)
+        if max_model_len is not None:
+            check_positive_int("max_model_len", max_model_len)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
@@ -224,7 +238,15 @@ class Engine:
         vocab = self.vocab_size
         if len(prompt_ids) == 0:
             raise ParamError("prompt", "the prompt is empty")
-        if any(not 0 <= int(t) < vocab for t in prompt_ids):
+        bad = next(
+            (t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)),
+            None,
+        )
+        if bad is not None:  # int(1.7) would silently make it token 1
+            raise ParamError(
+                "prompt", f"token ids must be ints, got {bad!r} ({type(bad).__name__})"
+            )
+        if any(not 0 <= t < vocab for t in prompt_ids):
             raise ParamError("prompt", f"token ids must lie in [0, {vocab})")
         for name, ids in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
@@ -273,7 +295,7 @@ class Engine:
             ValueError: ``request_id`` is in use.
         """
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is in use")
@@ -305,6 +327,16 @@ class Engine:
             seq.matcher = p.grammar.matcher()
         req.seqs.append(seq)
         return seq
+
+    def gauges(self) -> dict[str, float]:
+        """The gauges of ``/metrics`` as they are now (not as of the last step)."""
+        used = self.pool.num_used_blocks
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "blocks_used": used,
+            "waste": self.metrics.waste if used else 0.0,
+        }
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False for an unknown/finished id."""

@@ -34,22 +34,27 @@ def sse(obj: Any) -> str:
 
 
 def _check_text(body: Any) -> None:
-    """Refuse strings that are not Unicode text (a lone surrogate such as ``"\\ud800"``)."""
-    stack = [body]
+    """Refuse strings that are not Unicode text (a lone surrogate such as ``"\\ud800"``),
+    naming where it is (``messages[0].content``)."""
+    stack: list[tuple[str, Any]] = [("", body)]
     while stack:
-        item = stack.pop()
+        path, item = stack.pop()
         if isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
+                where = path or "the body"
                 raise APIError(
-                    400, "the request holds a string that is not valid Unicode (a lone surrogate)"
+                    400,
+                    f"{where} holds a string that is not valid Unicode (a lone surrogate)",
+                    param=path or None,
                 ) from None
         elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            for k, v in item.items():
+                stack.append((f"{path}.{k}" if path else str(k), v))
+                stack.append((path or "a key", k))
         elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
 
 
 def usage(prompt_tokens: int, generated: int) -> dict[str, int]:

@@ -92,8 +92,22 @@ class EngineMetrics:
         span = max(now - recent[0][0], 1e-3)
         return sum(n for _, n in recent) / span
 
-    def prometheus(self, *, cache_hit_rate: float, blocks_free: int) -> str:
-        """The metrics in Prometheus text format."""
+    def prometheus(
+        self, *, cache_hit_rate: float, blocks_free: int, live: dict[str, float] | None = None
+    ) -> str:
+        """The metrics in Prometheus text format.
+
+        Args:
+            cache_hit_rate: prefix-cache hits / lookups.
+            blocks_free: free or evictable KV blocks now.
+            live: the gauges read from the engine now (``running``, ``waiting``,
+                ``blocks_used``, ``waste``), over the values of its last step: after a
+                request is aborted or the last one finishes no step runs, and the
+                gauges must still return to their idle values.
+        """
+        if live:
+            for name, value in live.items():
+                setattr(self, name, value)
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, value: float) -> None:

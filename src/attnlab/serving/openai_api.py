@@ -16,7 +16,7 @@ client that disconnects aborts its request, which frees its KV blocks.
 # time, and `Request` is imported inside build_app (FastAPI is an optional extra).
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from attnlab.serving.async_engine import AsyncEngine
@@ -24,6 +24,29 @@ from attnlab.serving.chat_handlers import ChatRoutes
 from attnlab.serving.protocol import APIError
 
 __all__ = ["APIError", "build_app"]
+
+
+class _BearerAuth:
+    """``Authorization: Bearer KEY`` on ``/v1/``, as plain ASGI middleware.
+
+    Not ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` wraps ``receive``,
+    and behind it ``request.is_disconnected()`` never saw a client leave, so a
+    non-streaming request whose client hung up generated all its tokens.
+    """
+
+    def __init__(self, app: Any, *, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if given != self.expected:
+                from fastapi.responses import JSONResponse
+
+                err = APIError(401, "invalid API key", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(
@@ -94,16 +117,8 @@ def build_app(
         err = APIError(422, f"the request is not valid: {exc.errors()}")
         return JSONResponse(err.body(), status_code=422)
 
-    @app.middleware("http")
-    async def _auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        if api_key is not None and path.startswith("/v1/"):  # noqa: SIM102
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = APIError(401, "invalid API key", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     def card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "attnlab"}
@@ -153,6 +168,7 @@ def _generation_routes(
         text = eng.metrics.prometheus(
             cache_hit_rate=a.hits / a.queries if a.queries else 0.0,
             blocks_free=eng.pool.num_free_blocks,
+            live=eng.gauges(),
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab._validate import check_real
+
 __all__ = ["build_model", "init_weights"]
 
 DECODER_ARCHS = ("llama", "gpt2", "bloom", "mistral")
@@ -78,7 +80,7 @@ def build_model(
     fields = dict(section)
     kind = fields.pop("kind", "decoder")
     arch = fields.pop("arch", None)
-    std = float(fields.pop("init_std", 0.02))
+    std = check_real("model.init_std", fields.pop("init_std", 0.02), ge=0.0)
     backend = str(fields.pop("backend", "auto"))
     fields["vocab_size"] = vocab_size
     torch.manual_seed(seed)

@@ -384,7 +384,9 @@ def distill_sentence_encoder(
         from attnlab.interop.pretrained import minilm_path
 
         teacher_dir = minilm_path()
-    teacher_dir = Path(teacher_dir)
+    from attnlab.interop.checkpoints import check_model_folder
+
+    teacher_dir = check_model_folder(teacher_dir)
     tf = require_transformers()
     tf.utils.logging.disable_progress_bar()
     tokenizer = tf.AutoTokenizer.from_pretrained(teacher_dir)

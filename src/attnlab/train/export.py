@@ -27,6 +27,13 @@ def export_model(model: nn.Module, folder: Path, *, tokenizer: Any = None) -> Pa
     The folder appears whole or not at all (built beside it, then renamed: see
     :func:`attnlab._files.atomic_folder`); an existing one is replaced.
     """
+    folder = Path(folder)
+    marked = any((folder / f).is_file() for f in ("config.json", "attnlab_config.json"))
+    if folder.is_dir() and any(folder.iterdir()) and not marked:
+        raise ValueError(
+            f"{folder} holds other files and no model (no config.json); the model "
+            "replaces the whole folder: give a new or empty one"
+        )
     with atomic_folder(folder) as tmp:
         _write(model, tmp, tokenizer)
     return folder

@@ -121,6 +121,10 @@ def load_pretrained(
     p = Path(path)
     if p.is_dir():
         return attnlab.from_hf(p), transformers.AutoTokenizer.from_pretrained(str(p))
+    if not p.exists():  # the same error as every command's missing model (exit status 1)
+        from attnlab.interop.checkpoints import check_model_folder
+
+        check_model_folder(p)
     if not _is_gguf(p):
         raise ValueError(f"model {str(p)!r} is neither a transformers folder nor a .gguf file")
     model = attnlab.from_gguf(p, dtype=dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS", "preset"]
+__all__ = ["DESCRIPTIONS", "PRESETS", "preset"]
 
 _DECODER = {
     "kind": "decoder",
@@ -95,6 +95,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval_batches": 2,
         "out_dir": "runs/tiny",
     },
+}
+
+
+#: One line per preset, shown by ``attnlab train --list-presets``.
+DESCRIPTIONS: dict[str, str] = {
+    "stdlib-bytes": "byte-level Llama-style decoder (4 layers, width 192) on the Python "
+    "standard library, 500 steps, about 10 minutes on two CPU cores",
+    "stdlib-bpe": "the stdlib-bytes decoder on a byte-level BPE (vocabulary 4096) trained on the "
+    "training split",
+    "copy": "2-layer decoder on the synthetic copy task (length 16), 600 steps",
+    "associative-recall": "2-layer decoder on synthetic associative recall (length 8), 600 steps",
+    "selective-copy": "2-layer decoder on synthetic selective copying (length 8), 600 steps",
+    "induction": "2-layer decoder on the synthetic induction task (length 32), 600 steps",
+    "tiny": "a few steps of a tiny decoder on a slice of the stdlib (tests, smoke runs)",
 }
 
 

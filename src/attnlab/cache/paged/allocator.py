@@ -28,7 +28,7 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from attnlab.functional._checks import check_positive_int
+from attnlab.functional._checks import check_int, check_positive_int
 
 __all__ = ["BlockAllocator", "OutOfBlocks", "block_hash"]
 
@@ -95,13 +95,18 @@ class BlockAllocator:
         """Unreferenced blocks kept for prefix hits."""
         return len(self._evictable)
 
+    def _block(self, block: object) -> int:
+        """``block`` if it is a block id (an int, not a bool, in ``[0, num_blocks)``): a
+        negative index would reach another block through Python's indexing."""
+        return check_int("block", block, min_value=0, max_value=self.num_blocks - 1)
+
     def refcount(self, block: int) -> int:
         """How many holders ``block`` has."""
-        return self._refs[block]
+        return self._refs[self._block(block)]
 
     def is_cached(self, block: int) -> bool:
         """Whether ``block`` is registered in the prefix cache."""
-        return self._hash[block] is not None
+        return self._hash[self._block(block)] is not None
 
     # ------------------------------------------------------------------ operations
 
@@ -128,6 +133,7 @@ class BlockAllocator:
 
     def incref(self, block: int) -> None:
         """Add a holder to a held or evictable block (a fork, or a prefix hit)."""
+        block = self._block(block)
         if self._refs[block] == 0:
             if block not in self._evictable:
                 raise ValueError(f"block {block} is free: it has no content to share")
@@ -136,6 +142,7 @@ class BlockAllocator:
 
     def release(self, block: int) -> None:
         """Drop a holder; at zero the block becomes evictable if registered, else free."""
+        block = self._block(block)
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not held (reference count 0)")
         self._refs[block] -= 1
@@ -161,6 +168,7 @@ class BlockAllocator:
         Returns:
             False when another block already holds that content (nothing changes).
         """
+        block = self._block(block)
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not held; only held blocks can be registered")
         if h in self._cached or self._hash[block] is not None:

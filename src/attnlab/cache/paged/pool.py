@@ -40,11 +40,17 @@ from torch import Tensor
 from attnlab.backends.paged import BlockTable
 from attnlab.cache.kv_cache import ModelCache
 from attnlab.cache.paged.allocator import BlockAllocator, OutOfBlocks, block_hash
-from attnlab.functional._checks import check_positive_int
+from attnlab.functional._checks import check_int, check_positive_int
 
 __all__ = ["PagedKVPool", "StepBatch"]
 
 SeqId = Hashable
+
+
+def _token_ids(name: str, tokens: Sequence[int]) -> list[int]:
+    """``tokens`` as a list of ints >= 0; a float, a bool or a negative id is refused
+    (``int(1.7)`` would silently make it token 1)."""
+    return [check_int(f"{name}[{i}]", t, min_value=0) for i, t in enumerate(tokens)]
 
 
 @dataclass
@@ -264,7 +270,7 @@ class PagedKVPool:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if len(tokens) == 0:
             raise ValueError("a sequence needs at least one token")
-        s = _Sequence(tokens=[int(t) for t in tokens])
+        s = _Sequence(tokens=_token_ids("tokens", tokens))
         self.seqs[seq_id] = s
         if self.prefix_caching:
             bs = self.block_size
@@ -280,7 +286,8 @@ class PagedKVPool:
 
     def append_tokens(self, seq_id: SeqId, tokens: Sequence[int]) -> None:
         """Add known tokens (e.g. the one just sampled) to be computed by a later step."""
-        self._seq(seq_id).tokens.extend(int(t) for t in tokens)
+        s = self._seq(seq_id)
+        s.tokens.extend(_token_ids("tokens", tokens))
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Known tokens of a sequence."""
@@ -297,6 +304,7 @@ class PagedKVPool:
     def blocks_needed(self, seq_id: SeqId, num_new: int) -> int:
         """Blocks :meth:`reserve` would allocate for ``num_new`` more tokens (copy-on-write included)."""
         s = self._seq(seq_id)
+        check_int("num_new", num_new, min_value=0)
         bs = self.block_size
         need = -(-(s.reserved + num_new) // bs) - len(s.blocks)
         if num_new > 0 and s.reserved % bs and self.allocator.refcount(s.blocks[-1]) > 1:
@@ -310,6 +318,7 @@ class PagedKVPool:
             OutOfBlocks: not enough free blocks (nothing was allocated).
         """
         s = self._seq(seq_id)
+        check_int("num_new", num_new, min_value=0)
         need = self.blocks_needed(seq_id, num_new)
         if need > self.allocator.num_free:
             raise OutOfBlocks(
@@ -389,9 +398,13 @@ class PagedKVPool:
         """
         if not rows:
             raise ValueError("a step needs at least one row")
+        row_ids = [sid for sid, _ in rows]
+        if len(set(row_ids)) != len(row_ids):
+            twice = sorted({repr(i) for i in row_ids if row_ids.count(i) > 1})
+            raise ValueError(f"a step runs each sequence once; {', '.join(twice)} appear twice")
         self._finish_implicit()
         seqs = [self._seq(sid) for sid, _ in rows]
-        num_new = [int(n) for _, n in rows]
+        num_new = [check_int("num_new", n, min_value=1) for _, n in rows]
         for (sid, n), s in zip(rows, seqs):
             if n <= 0 or s.computed + n > s.reserved:
                 raise ValueError(
