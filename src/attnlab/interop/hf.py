@@ -122,11 +122,13 @@ def _ensure_registered() -> None:
         lfm2,
         llama,
         longformer,
+        modernbert,
         moe,
         phi3,
         qwen,
         qwen3_next,
         recurrent_gemma,
+        roberta,
         ssm,
         t5,
     )
