@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,8 +11,14 @@ from attnlab.cli.main import main
 
 
 def test_demo_writes_heatmaps_and_reports_parity(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    smollm2: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import attnlab
+
+    monkeypatch.setattr(attnlab, "from_gguf", lambda *a, **k: smollm2)  # the session's copy
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -28,8 +35,15 @@ def test_demo_writes_heatmaps_and_reports_parity(
             "last_layer_mean.png",
             "similarity.png",
             *[f"layer{i}_heads.png" for i in range(6)],
+            "decoder_layers.png",
+            "decoder_sinks.png",
         ]
     )
+    # the decoder section: two answers from SmolLM2, and its attention sinks
+    assert "6. A real decoder: SmolLM2-135M-Instruct" in text
+    assert "A: The capital of France is Paris." in text
+    assert (out / "decoder_explorer.html").stat().st_size > 10000
+    assert "decoder_sinks.png" in (out / "index.html").read_text()
     assert all(p.stat().st_size > 5000 for p in out.glob("*.png"))
     assert "5. Sentence embeddings" in text
     st_diff = [line for line in text.splitlines() if line.startswith("sentence-transformers on")]
@@ -39,12 +53,21 @@ def test_demo_writes_heatmaps_and_reports_parity(
 def test_demo_other_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(
-            ["demo", "--text", "attention is all you need", "--out", str(tmp_path), "--no-compare"]
+            [
+                "demo",
+                "--text",
+                "attention is all you need",
+                "--out",
+                str(tmp_path),
+                "--no-compare",
+                "--no-decoder",
+            ]
         )
         == 0
     )
     assert "'attention', 'is', 'all', 'you', 'need'" in capsys.readouterr().out
-    assert main(["demo", "--text", "word " * 600, "--out", str(tmp_path), "--no-compare"]) == 2
+    args = ["demo", "--text", "word " * 600, "--out", str(tmp_path), "--no-compare", "--no-decoder"]
+    assert main(args) == 2
     assert "at most 512" in capsys.readouterr().err
 
 

@@ -13,9 +13,9 @@ def test_demo_adds_explorer_cost_table_and_index(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--no-compare"]) == 0
+    assert main(["demo", "--out", str(out), "--no-compare", "--no-decoder"]) == 0
     text = capsys.readouterr().out
-    assert "6. Explore it yourself" in text and "7. What attention costs" in text
+    assert "7. Explore it yourself" in text and "8. What attention costs" in text
     assert "  32768  824,633,720,832" in text  # the tutorial's n²·d, extended to 32768
     assert f"{out / 'index.html'}  (start here)" in text
     page = (out / "index.html").read_text()
@@ -28,7 +28,7 @@ def test_demo_adds_explorer_cost_table_and_index(
 def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    assert main(["demo", "--out", str(tmp_path), "--no-compare", "--json"]) == 0
+    assert main(["demo", "--out", str(tmp_path), "--no-compare", "--no-decoder", "--json"]) == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["tokens"][:2] == ["[CLS]", "time"]

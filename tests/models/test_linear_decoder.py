@@ -16,6 +16,7 @@ from attnlab.cache.linear_state import (
     RWKV7State,
     ShortConvState,
 )
+from attnlab.cache.recurrent import Mamba2State
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
@@ -28,15 +29,18 @@ STATES = {
     "rglru": RGLRUState,
     "short_conv": ShortConvState,
     "rwkv7": RWKV7State,
+    "mamba2": Mamba2State,
 }
 
 
 def _model(mixer: str, hybrid: bool) -> DecoderLM:
     torch.manual_seed(0)
     lin = LinearLayerConfig(
-        num_heads=2,
+        num_heads=None if mixer == "mamba2" else 2,
         num_value_heads=4 if "delta" in mixer else None,
         conv_kernel=3 if mixer == "short_conv" else 4,
+        head_dim=8 if mixer == "mamba2" else None,
+        state_size=4,
         chunk_size=4,
     )
     spec = LayerSpec(mixer=mixer, linear=lin)

@@ -57,6 +57,7 @@ def test_int4_rounding_and_nibble_packing() -> None:
         ("int8", None, "int8pack"),
         ("int8", None, "dequant"),
         ("int8", 32, "dequant"),
+        ("int8", 32, "int8groups"),
         ("int4", 32, "int4pack"),
         ("int4", 64, "int4pack"),
         ("int4", 32, "dequant"),

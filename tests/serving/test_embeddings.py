@@ -123,6 +123,13 @@ def test_bad_embedding_requests(
     assert r.json()["error"]["param"] == param
 
 
+def test_a_lone_surrogate_is_a_400(server: BackgroundServer) -> None:
+    r = httpx.post(
+        f"{server.base_url}/embeddings", content=b'{"model": "minilm", "input": "\\ud800"}'
+    )
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+
+
 def test_the_decoder_beside_and_an_embeddings_only_server(
     server: BackgroundServer, client: Any, service: Any
 ) -> None:

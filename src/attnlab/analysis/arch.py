@@ -212,6 +212,12 @@ def describe(config_or_model: Any) -> ArchSpec:
 
 
 def _encoder(config: Any) -> ArchSpec:
+    if config.local_attention is not None and any(w is not None for w in config.local_attention):
+        raise ValueError(
+            "the cost model costs uniform attention layers; this encoder mixes local windows "
+            f"{list(config.local_attention)} (None: global) across its layers (ModernBERT), "
+            "which it does not estimate yet"
+        )
     return ArchSpec(
         name="encoder",
         num_layers=config.num_hidden_layers,
@@ -219,10 +225,13 @@ def _encoder(config: Any) -> ArchSpec:
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
-        ffn="standard",
+        ffn="gated" if config.mlp == "gated" else "standard",
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,
         activation=config.hidden_act,
+        attention_bias=config.attention_bias,
+        attention_out_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
         causal=False,
         position="learned",
         max_positions=config.max_position_embeddings,

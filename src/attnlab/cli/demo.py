@@ -36,6 +36,11 @@ def add_parser(sub: Any) -> None:
         help="skip loading the transformers model for the parity check",
     )
     p.add_argument(
+        "--no-decoder",
+        action="store_true",
+        help="skip the decoder section (SmolLM2-135M-Instruct answering and its attention)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print a JSON summary (tokens, parity differences, files, cost table) instead of "
@@ -72,7 +77,8 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     if not args.text.strip():
         raise ValueError("--text is empty")
     writable_dir("--out", args.out)
-    progress = Progress(4 if args.no_compare else 5, quiet=not getattr(args, "json", False))
+    steps = (4 if args.no_compare else 5) + (0 if getattr(args, "no_decoder", False) else 1)
+    progress = Progress(steps, quiet=not getattr(args, "json", False))
     progress.step("loading all-MiniLM-L6-v2")
     import torch
 
@@ -188,8 +194,15 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
 
     _sentence_section(model, path, text, out, compare=not args.no_compare, summary=summary)
 
+    decoder_entries: list[Any] = []
+    if not getattr(args, "no_decoder", False):
+        from attnlab.cli.demo_decoder import decoder_section
+
+        progress.step("the decoder: SmolLM2-135M-Instruct")
+        decoder_entries = decoder_section(out, summary, number=6)
+
     progress.step("writing the explorer and the cost table")
-    _rule("6. Explore it yourself")
+    _rule("7. Explore it yourself")
     from attnlab.viz.explorer import write_explorer
     from attnlab.viz.report import IndexEntry, write_index
 
@@ -203,7 +216,7 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     print(f"{explorer}: pick a layer and a head, hover a token to see where it attends,")
     print("compare two heads side by side. One file, no network: open it in any browser.")
 
-    _rule("7. What attention costs (attnlab estimate)")
+    _rule("8. What attention costs (attnlab estimate)")
     cost_text = _cost_table()
     print(cost_text)
 
@@ -216,18 +229,20 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
         ],
         IndexEntry("last_layer_mean.png", "Last layer, mean over heads"),
         IndexEntry("similarity.png", "Sentence embeddings: cosine similarity"),
+        *decoder_entries,
         IndexEntry("", "What attention costs, by sequence length (attnlab estimate)", cost_text),
     ]
     index = write_index(
         out,
         f"attnlab demo: self-attention on {text!r}",
         entries,
-        intro="all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads) run by attnlab.",
+        intro="all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads) run by attnlab"
+        + ("; then SmolLM2-135M-Instruct, a real decoder." if decoder_entries else "."),
     )
 
     _rule("Files")
     print(f"  {index}  (start here)")
-    for p in sorted([*out.glob("*.png"), out / "explorer.html"]):
+    for p in sorted([*out.glob("*.png"), *out.glob("*explorer.html")]):
         print(f"  {p}")
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     summary["index"] = str(index)

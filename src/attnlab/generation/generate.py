@@ -376,6 +376,8 @@ def generate(
     pad_token_id: int | None = None,
     cache: Any = None,
     compile: bool = False,
+    speculative: str | nn.Module | None = None,
+    num_draft: int = 8,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -398,6 +400,11 @@ def generate(
         compile: compile the model's decode step with ``torch.compile`` over a static
             cache (the first call compiles, later ones reuse the graph); same tokens
             as the eager loop. Decoder-only models.
+        speculative: ``"prompt_lookup"`` or a draft model (same vocabulary): draft
+            ``num_draft`` tokens and verify them in one forward
+            (:mod:`attnlab.generation.speculative`); greedy output is unchanged and
+            sampling keeps its distribution. One unpadded row, a fresh cache, eager.
+        num_draft: tokens drafted per verification.
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
@@ -409,6 +416,12 @@ def generate(
             small, mismatched batch sizes, ``top_p`` outside ``(0, 1]``, ``temperature
             <= 0`` with sampling.
     """
+    if speculative is not None:
+        return _generate_speculative(
+            model, input_ids, max_new_tokens, attention_mask, cache, compile, speculative,
+            num_draft=num_draft, do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, eos_token_id=eos_token_id, generator=generator,
+        )  # fmt: skip
     tokens = list(
         stream(
             model,
@@ -439,3 +452,39 @@ def generate(
     if not tokens:
         return prefix.clone()
     return torch.cat((prefix, torch.stack(tokens, dim=1)), dim=1)
+
+
+def _generate_speculative(
+    model: nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    attention_mask: Tensor | None,
+    cache: Any,
+    compile: bool,
+    speculative: str | nn.Module,
+    **kwargs: Any,
+) -> Tensor:
+    """``generate(speculative=...)``: the combinations it refuses, then the drafted loop."""
+    from attnlab.generation.speculative import speculative_stream
+
+    check_sampling(
+        do_sample=kwargs["do_sample"],
+        temperature=kwargs["temperature"],
+        top_k=kwargs["top_k"],
+        top_p=kwargs["top_p"],
+    )
+    _check_inputs(model, input_ids, max_new_tokens, attention_mask)
+    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "new_cache"):
+        raise ValueError(
+            f"speculative decoding needs a decoder-only model, got {type(model).__name__}"
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("speculative decoding runs one unpadded row: drop the padding")
+    if cache is not None or compile:
+        raise ValueError("speculative decoding makes its own cache and runs eagerly: "
+                         "pass neither cache= nor compile=True")  # fmt: skip
+    if getattr(model.config, "sliding_window", None) is not None:
+        raise ValueError("speculative decoding cuts the cache back: a sliding-window cache cannot")
+    new = list(speculative_stream(model, input_ids, max_new_tokens, draft=speculative, **kwargs))
+    tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, tail], dim=1)

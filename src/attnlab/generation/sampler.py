@@ -40,7 +40,14 @@ from attnlab.functional.sampling import (
     unpack_bitmask,
 )
 
-__all__ = ["GREEDY_BELOW", "RowSampling", "SampleOutput", "SamplingSettings", "sample"]
+__all__ = [
+    "GREEDY_BELOW",
+    "RowSampling",
+    "SampleOutput",
+    "SamplingSettings",
+    "sample",
+    "speculative_verify",
+]
 
 #: A temperature below this samples greedily: dividing logits by ``1e-5`` already puts
 #: every token but the argmax (and its exact ties) below ``exp(-1e4)`` in probability,
@@ -279,3 +286,67 @@ def sample(
                 )
             lps[i] = (float(logp[j, out[i]]), top_pairs)
     return SampleOutput(out, lps, failed)
+
+
+# ----------------------------------------------------------------- speculative verification
+
+
+def speculative_verify(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Accept a prefix of drafted tokens so the output is distributed as the target's.
+
+    The rejection rule of speculative sampling (Leviathan et al., 2023; Chen et al.,
+    2023): draft token ``d_i`` is kept with probability ``min(1, p_i(d_i) / q_i(d_i))``;
+    at the first rejection the next token is drawn from ``max(p_i - q_i, 0)``
+    renormalised, and when every draft is kept one more token is drawn from
+    ``p_k``. A deterministic draft (prompt lookup) has ``q_i`` one-hot at ``d_i``: it is
+    kept with probability ``p_i(d_i)`` and a rejection draws from ``p_i`` without ``d_i``.
+
+    Args:
+        target_probs: ``[k + 1, V]``, the target's sampling distributions (after
+            temperature and filters) after the context and after each draft token.
+        draft_tokens: long ``[k]``.
+        draft_probs: ``[k, V]``, the draft's distributions the tokens were drawn from,
+            or None for a deterministic draft.
+        generator: the random generator.
+
+    Returns:
+        ``(accepted, next_token)``: how many drafts are kept, and the token after them.
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    k = draft_tokens.shape[0]
+    if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(
+            f"target_probs must be [{k + 1}, V] for {k} draft tokens, got "
+            f"{tuple(target_probs.shape)}"
+        )
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [{k}, {target_probs.shape[1]}], got {tuple(draft_probs.shape)}"
+        )
+    p = target_probs.double()
+    idx = torch.arange(k, device=p.device)
+    p_d = p[idx, draft_tokens]  # [k]
+    q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.double()[idx, draft_tokens]
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
+    keep = (u * q_d < p_d).tolist()  # u < p/q, without dividing by q = 0
+    accepted = next((i for i, ok in enumerate(keep) if not ok), k)
+    if accepted == k:
+        dist = p[k]
+    else:
+        if draft_probs is None:
+            dist = p[accepted].clone()
+            dist[draft_tokens[accepted]] = 0.0
+        else:
+            dist = (p[accepted] - draft_probs.double()[accepted]).clamp_min(0.0)
+        if float(dist.sum()) <= 0.0:  # p == q exactly: the rejection had probability 0
+            dist = p[accepted]
+    token = int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+    return accepted, token

@@ -108,6 +108,7 @@ BERT = register_converter(
         folder_extras=attach_sentence_settings,
         accepts=lambda m: (
             isinstance(m, EncoderModel)
+            and m.config.model_type in (None, "bert")
             and m.config.attention_window is None
             and m.config.position_embedding_type == "absolute"
         ),

@@ -50,6 +50,7 @@ def from_gguf(
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
     progress: bool = False,
+    quantize: str | None = None,
 ) -> Any:
     """Load a GGUF file (llama.cpp's format) as an attnlab :class:`~attnlab.models.DecoderLM`.
 
@@ -62,6 +63,11 @@ def from_gguf(
         tokenizer: build ``model.tokenizer`` (a transformers fast tokenizer with the
             file's chat template and special tokens); needs the ``hf`` extra.
         progress: show a progress bar over the tensors on stderr (tqdm).
+        quantize: None (every tensor expanded to ``dtype``); ``"gguf"`` (the file's
+            quantized matrices kept as they are stored, repacked once into int8/int4
+            layers without going through float: :mod:`attnlab.interop.gguf_quant`); or
+            ``"int8"``/``"int4"``/``"int4:g64"``... (the same, and the file's float
+            matrices quantized so).
 
     Returns:
         The model in eval mode, with ``model.tokenizer`` (or None) and
@@ -88,7 +94,15 @@ def from_gguf(
         ) from None
     except ValueError as e:
         raise ModelFileError(str(e)) from None
-    weights = _hf_weights(gguf, cfg, dtype, progress=progress)
+    kept: set[str] = set()
+    if quantize is not None:
+        from attnlab.interop.gguf_quant import blocks_to_keep
+        from attnlab.modules.linear import LinearSpec
+
+        if quantize != "gguf":
+            LinearSpec.parse(quantize)  # a bad spec fails before any tensor is read
+        kept = blocks_to_keep(gguf)
+    weights = _hf_weights(gguf, cfg, dtype, progress=progress, placeholders=kept)
     model: Any = _assemble(
         llama.LLAMA,
         cfg,
@@ -99,14 +113,26 @@ def from_gguf(
         error=ModelFileError,
         assign=True,
     )
+    if quantize is not None:
+        from attnlab.interop.gguf_quant import load_blocks
+
+        heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+        load_blocks(model, gguf, kept, heads, quantize)
     model.tokenizer = gguf_tokenizer(gguf) if tokenizer else None
     model.generation_config = generation_settings(gguf.metadata)
     return model
 
 
 def _hf_weights(
-    gguf: GGUFFile, cfg: dict[str, Any], dtype: torch.dtype, *, progress: bool
+    gguf: GGUFFile,
+    cfg: dict[str, Any],
+    dtype: torch.dtype,
+    *,
+    progress: bool,
+    placeholders: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Tensor]:
+    """transformers-named weights; ``placeholders`` (quantized tensors a quantized load
+    keeps as blocks) are shape-only meta tensors, never expanded."""
     names = list(gguf.tensors)
     unmapped = [n for n in names if hf_name(n) is None]
     if unmapped:
@@ -122,7 +148,10 @@ def _hf_weights(
         it = tqdm(names, desc=f"loading {gguf.path.name}", unit="tensor", leave=False, disable=None)
     out: dict[str, Tensor] = {}
     for name in it:
-        w = gguf.tensor(name, dtype)
+        if name in placeholders:
+            w = torch.empty(gguf.tensors[name].shape, dtype=dtype, device="meta")
+        else:
+            w = gguf.tensor(name, dtype)
         part = name.split(".")[2] if name.startswith("blk.") else ""
         if part in heads:
             w = unpermute_qk(w, heads[part])

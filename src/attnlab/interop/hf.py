@@ -113,6 +113,7 @@ def register_converter(conv: Converter) -> Converter:
 
 def _ensure_registered() -> None:
     from attnlab.interop import (  # noqa: F401  (registers)
+        bamba,
         bert,
         bloom,
         gemma,
@@ -121,10 +122,13 @@ def _ensure_registered() -> None:
         lfm2,
         llama,
         longformer,
+        modernbert,
         moe,
         phi3,
         qwen,
+        qwen3_next,
         recurrent_gemma,
+        roberta,
         ssm,
         t5,
     )

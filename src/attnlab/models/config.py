@@ -54,6 +54,20 @@ class EncoderConfig(ConfigBase):
         rope_theta: RoPE's base.
         gradient_checkpointing: recompute each layer in the backward instead of keeping
             its activations (training only).
+        norm_bias: biases in the LayerNorms (ModernBERT has none).
+        attention_bias: biases on the attention projections.
+        mlp: ``"standard"`` (two layers, BERT) or ``"gated"`` (GeGLU with ``hidden_act``:
+            ModernBERT).
+        mlp_bias: biases in the feed-forward.
+        local_attention: per layer, a two-sided window of ``W`` keys (``W // 2`` on each
+            side: ModernBERT's ``local_attention``) as a ``sliding_window`` pattern, or None
+            for a global layer; None (default): every layer global.
+        local_rope_theta: the RoPE base of the local layers (None: ``rope_theta``).
+        first_attn_norm: False leaves the first layer's attention input unnormalised
+            (ModernBERT: the embeddings' norm serves).
+        model_type: the transformers ``model_type`` this config describes (``"roberta"``,
+            ``"xlm-roberta"``, ``"distilbert"``...), which ``to_hf`` converts to when several
+            share the same computation; None: inferred from the components.
     """
 
     vocab_size: int = 30522
@@ -75,6 +89,14 @@ class EncoderConfig(ConfigBase):
     position_embedding_type: str = "absolute"
     rope_theta: float = 10000.0
     gradient_checkpointing: bool = False
+    norm_bias: bool = True
+    attention_bias: bool = True
+    mlp: str = "standard"
+    mlp_bias: bool = True
+    local_attention: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    first_attn_norm: bool = True
+    model_type: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -118,6 +140,11 @@ class EncoderConfig(ConfigBase):
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
         check_real("rope_theta", self.rope_theta, gt=0.0)
+        if self.mlp not in ("standard", "gated"):
+            raise ValueError(f"mlp must be 'standard' or 'gated', got {self.mlp!r}")
+        self._check_local_attention()
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise TypeError(f"model_type must be a str or None, got {self.model_type!r}")
         if self.attention_window is not None:
             w = self.attention_window
             if isinstance(w, list):
@@ -142,6 +169,25 @@ class EncoderConfig(ConfigBase):
                     f"num_key_value_heads={self.num_key_value_heads} != "
                     f"num_attention_heads={self.num_attention_heads}"
                 )
+
+    def _check_local_attention(self) -> None:
+        w = self.local_attention
+        if w is None:
+            return
+        if isinstance(w, list):
+            w = self.local_attention = tuple(w)
+        if not isinstance(w, tuple) or len(w) != self.num_hidden_layers:
+            raise ValueError(
+                f"local_attention must list one window (or None) per layer, "
+                f"{self.num_hidden_layers} in all; got {w!r}"
+            )
+        for x in w:
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 2):
+                raise ValueError(f"local_attention windows must be ints >= 2 or None, got {w!r}")
+        if self.attention_window is not None and any(x is not None for x in w):
+            raise ValueError("local_attention and Longformer's attention_window do not combine")
+        if self.local_rope_theta is not None:
+            check_real("local_rope_theta", self.local_rope_theta, gt=0.0)
 
     def layer_window(self, layer: int) -> int | None:
         """Keys on each side that layer ``layer`` attends to, or None for full attention."""

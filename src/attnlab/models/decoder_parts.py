@@ -68,8 +68,11 @@ def layer_rotaries(config: DecoderConfig) -> list[RotaryEmbedding | None]:
             )
         return made[theta]
 
+    from attnlab.models.mixers import get_mixer  # the registry; avoids an import cycle
+
+    # attention mixers (those that use the decoder's KV caches) rotate; recurrent ones do not
     return [
-        rotary(spec.rope_theta) if spec.rope and spec.mixer == "attention" else None
+        rotary(spec.rope_theta) if spec.rope and get_mixer(spec.mixer).new_cache is None else None
         for spec in config.layer_specs
     ]
 

@@ -13,7 +13,14 @@ from torch import Tensor, nn
 
 from attnlab.functional._checks import check_binary_mask
 from attnlab.functional.attention import AttnMask
-from attnlab.functional.masks import document, full, padding, padding_mask
+from attnlab.functional.masks import (
+    MaskPattern,
+    document,
+    full,
+    padding,
+    padding_mask,
+    sliding_window,
+)
 from attnlab.functional.score_mods import ScoreMod, symmetric_alibi
 from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.config import EncoderConfig
@@ -23,13 +30,34 @@ from attnlab.modules.embeddings import Embeddings
 from attnlab.modules.encoder_layer import EncoderLayer
 from attnlab.modules.linear import make_linear
 from attnlab.modules.longformer_attention import LongformerSelfAttention
-from attnlab.modules.mlp import FeedForward
+from attnlab.modules.mlp import FeedForward, GatedFeedForward
 from attnlab.modules.positions import RotaryEmbedding
 
 if TYPE_CHECKING:
     from attnlab.models.embedding import EncodeReport, SentenceSettings
 
-__all__ = ["EncoderModel", "Pooler", "build_encoder_layer"]
+__all__ = ["EncoderModel", "Pooler", "build_encoder_layer", "local_masks"]
+
+
+def local_masks(
+    config: EncoderConfig, mask: AttnMask, attention_mask: Tensor | None
+) -> list[AttnMask]:
+    """Each layer's mask: ``mask`` on global layers; on local ones (``local_attention``)
+    the pattern ``sliding_window(W // 2, W // 2)`` with ``mask``'s padding or documents."""
+    windows = config.local_attention or (None,) * config.num_hidden_layers
+    out: list[AttnMask] = []
+    for w in windows:
+        if w is None:
+            out.append(mask)
+            continue
+        local: MaskPattern = sliding_window(w // 2, w // 2)
+        if isinstance(mask, MaskPattern):
+            local = local & mask
+        elif mask is not None:  # a dense padding mask [B, 1, 1, S] from attention_mask
+            assert attention_mask is not None
+            local = local & padding(attention_mask)
+        out.append(local)
+    return out
 
 
 class Pooler(nn.Module):
@@ -80,17 +108,25 @@ def build_encoder_layer(
             dropout=config.attention_probs_dropout_prob,
             backend=backend,
             rotary=rotary,
+            bias=config.attention_bias,
         )
+    ffn = GatedFeedForward if config.mlp == "gated" else FeedForward
+    norm_first = config.first_attn_norm or layer > 0
     return EncoderLayer(
         attention=attention,
-        feed_forward=FeedForward(
+        feed_forward=ffn(
             embed_dim=d,
             hidden_dim=config.intermediate_size,
             activation=config.hidden_act,
             dropout=config.hidden_dropout_prob,
+            bias=config.mlp_bias,
         ),
-        attn_norm=nn.LayerNorm(d, eps=config.layer_norm_eps),
-        ffn_norm=nn.LayerNorm(d, eps=config.layer_norm_eps),
+        attn_norm=(
+            nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.norm_bias)
+            if norm_first
+            else nn.Identity()
+        ),
+        ffn_norm=nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.norm_bias),
         norm_position="pre" if config.norm_position == "pre" else "post",
         dropout=config.hidden_dropout_prob,
     )
@@ -118,6 +154,7 @@ class EncoderModel(nn.Module):
             layer_norm_eps=config.layer_norm_eps,
             dropout=config.hidden_dropout_prob,
             pad_token_id=config.pad_token_id,
+            norm_bias=config.norm_bias,
         )
         self.rotary = (
             RotaryEmbedding(
@@ -134,14 +171,27 @@ class EncoderModel(nn.Module):
             if config.position_embedding_type == "alibi"
             else None
         )
+        windows = config.local_attention or (None,) * config.num_hidden_layers
+        #: the local layers' RoPE (ModernBERT: a base of their own), or the model's
+        self.local_rotary = self.rotary
+        if self.rotary is not None and config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                dim=config.head_dim,
+                base=config.local_rope_theta,
+                max_position_embeddings=config.max_position_embeddings,
+            )
         self.layers = nn.ModuleList(
             build_encoder_layer(
-                config, layer=i, backend=backend, rotary=self.rotary, score_mod=self.alibi
+                config,
+                layer=i,
+                backend=backend,
+                rotary=self.rotary if windows[i] is None else self.local_rotary,
+                score_mod=self.alibi,
             )
             for i in range(config.num_hidden_layers)
         )
         self.final_norm = (
-            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
             if config.norm_position == "pre"
             else None
         )
@@ -325,9 +375,10 @@ class EncoderModel(nn.Module):
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         ckpt = checkpointing(self)
-        for layer in self.layers:
+        masks = local_masks(self.config, mask, attention_mask)
+        for layer, layer_mask in zip(self.layers, masks):
             x, w = call_layer(
-                layer, ckpt, x, attn_mask=mask, need_weights=output_attentions, **layer_kwargs
+                layer, ckpt, x, attn_mask=layer_mask, need_weights=output_attentions, **layer_kwargs
             )
             if output_attentions:
                 assert w is not None
@@ -418,67 +469,8 @@ class EncoderModel(nn.Module):
         position_ids: Tensor | None,
         output_hidden_states: bool,
     ) -> EncoderOutput:
-        from attnlab.models.packing import pack_rows
+        from attnlab.models.packing import forward_unpadded
 
-        if input_ids is None or attention_mask is None:
-            raise ValueError("unpad=True needs input_ids and attention_mask")
-        if tuple(attention_mask.shape) != tuple(input_ids.shape) or input_ids.dim() != 2:
-            raise ValueError(
-                f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
-                f"{tuple(input_ids.shape)}, both (batch, seq_len)"
-            )
-        b, s = input_ids.shape
-        keep = padding_mask(attention_mask)[:, 0, 0, :]  # [B, S]
-        cols = torch.arange(s, device=input_ids.device).expand(b, s)
-        pos = cols if position_ids is None else position_ids.expand(b, s)
-        types = None if token_type_ids is None else token_type_ids.expand(b, s)
-        lengths = keep.sum(-1).tolist()
-        present = [r for r in range(b) if lengths[r] > 0]
-        rows = pack_rows([lengths[r] for r in present], s)
-        n_rows = len(rows)
-        ids_p = torch.zeros(n_rows, s, dtype=input_ids.dtype, device=input_ids.device)
-        pos_p = torch.zeros_like(ids_p)
-        types_p = torch.zeros_like(ids_p)
-        doc_p = torch.full_like(ids_p, -1)
-        src_flat: list[Tensor] = []  # flat index into [B * S] of each packed slot
-        dst_flat: list[Tensor] = []  # flat index into [R * S]
-        for r, members in enumerate(rows):
-            start = 0
-            for d, j in enumerate(members):
-                row = present[j]
-                where = keep[row].nonzero().flatten()  # [n]
-                n = where.numel()
-                ids_p[r, start : start + n] = input_ids[row, where]
-                pos_p[r, start : start + n] = pos[row, where]
-                if types is not None:
-                    types_p[r, start : start + n] = types[row, where]
-                doc_p[r, start : start + n] = d
-                src_flat.append(row * s + where)
-                dst_flat.append(r * s + start + torch.arange(n, device=where.device))
-                start += n
-        out = self.forward(
-            input_ids=ids_p,
-            token_type_ids=types_p if types is not None else None,
-            position_ids=pos_p,
-            output_hidden_states=output_hidden_states,
-            document_ids=doc_p,
-        )
-        src = torch.cat(src_flat) if src_flat else cols.new_zeros(0)
-        dst = torch.cat(dst_flat) if dst_flat else cols.new_zeros(0)
-
-        def scatter(h: Tensor) -> Tensor:
-            d = h.shape[-1]
-            full = h.new_zeros(b * s, d)
-            full[src] = h.reshape(-1, d)[dst]
-            return full.view(b, s, d)  # [B, S, D]
-
-        last = scatter(out.last_hidden_state)
-        return EncoderOutput(
-            last_hidden_state=last,
-            pooler_output=self.pooler(last) if self.pooler is not None else None,
-            hidden_states=(
-                tuple(scatter(h) for h in out.hidden_states)
-                if out.hidden_states is not None
-                else None
-            ),
+        return forward_unpadded(
+            self, input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states
         )

@@ -155,7 +155,7 @@ class LayerSpec:
         mamba: the Mamba mixer's settings when ``mixer == "mamba"`` (None: the defaults).
         linear: the settings of a linear-attention or gated-recurrence mixer
             (``"delta_net"``, ``"gated_delta_net"``, ``"gla"``, ``"rglru"``, ``"short_conv"``,
-            ``"rwkv7"``; None: the defaults).
+            ``"rwkv7"``, ``"mamba2"``; None: the defaults).
         sliding_window: this attention layer's window ``W`` (each token sees ``W`` tokens,
             itself included), or None for the config's ``sliding_window``: local layers
             between global ones (Gemma 2 and 3, Qwen2's ``layer_types``).

@@ -8,7 +8,10 @@
 * ``"gla"``: gated linear attention (Yang et al., 2024);
 * ``"rglru"``: Griffin's recurrent block (De et al., 2024), RecurrentGemma's layout;
 * ``"short_conv"``: LFM2's gated short convolution;
-* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual.
+* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual;
+* ``"mamba2"``: the Mamba-2 mixer (Dao & Gu, 2024), for hybrids such as Bamba;
+* ``"gated_attention"``: the decoder's attention with a sigmoid output gate (Qwen3-Next's
+  full-attention layers; it uses the decoder's KV caches).
 
 Each carries a fixed-size state from :mod:`attnlab.cache.linear_state` in the model's one
 :class:`~attnlab.cache.base.ModelCache`, beside attention layers' KV caches in a hybrid.
@@ -16,6 +19,7 @@ Each carries a fixed-size state from :mod:`attnlab.cache.linear_state` in the mo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +32,14 @@ from attnlab.cache.linear_state import (
     RWKV7State,
     ShortConvState,
 )
-from attnlab.cache.recurrent import RecurrentState
+from attnlab.cache.recurrent import Mamba2State, RecurrentState
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.mixers import Mixer, MixerParts, StateMixer, register_mixer
+from attnlab.models.mixers import Mixer, MixerParts, StateMixer, _attention, register_mixer
+from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.delta_net import GatedDeltaNet
+from attnlab.modules.gated_attention import OutputGatedAttention
 from attnlab.modules.gla import GatedLinearAttention
+from attnlab.modules.mamba import Mamba2Mixer
 from attnlab.modules.rglru import GatedShortConv, RecurrentBlock
 from attnlab.modules.rwkv7 import RWKV7TimeMix
 
@@ -142,6 +149,45 @@ def _rwkv7(config: DecoderConfig, parts: MixerParts) -> nn.Module:
     )
 
 
+def _mamba2(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    s = _settings(config, parts)
+    width = s.width or 2 * config.hidden_size
+    p = s.head_dim or 64
+    heads = s.num_heads or width // p
+    if heads * p != width:
+        raise ValueError(
+            f"layers[{parts.layer_index}]: Mamba-2's width ({width}) must be num_heads ({heads}) "
+            f"x head_dim ({p})"
+        )
+    return StateMixer(
+        mixer=Mamba2Mixer(
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            head_dim=p,
+            state_size=s.state_size,
+            n_groups=s.n_groups,
+            conv_kernel=s.conv_kernel,
+            conv_bias=s.conv_bias,
+            bias=s.proj_bias,
+            norm_eps=config.norm_eps,
+            dt_limit=s.dt_limit if s.dt_limit is not None else (0.0, math.inf),
+            chunk_size=s.chunk_size,
+        )
+    )
+
+
+def _gated_attention(config: DecoderConfig, parts: MixerParts) -> nn.Module:
+    inner = _attention(config, parts)
+    assert isinstance(inner, MultiHeadAttention) and config.head_dim is not None
+    width = config.num_attention_heads * config.head_dim
+    return OutputGatedAttention(
+        attention=inner, gate_proj=nn.Linear(config.hidden_size, width, bias=False)
+    )
+
+
+register_mixer(Mixer(name="gated_attention", build=_gated_attention))
+
+
 def _state_factory(state: type[RecurrentState]) -> Callable[[DecoderConfig, str, int], Any]:
     def new_cache(config: DecoderConfig, kind: str, max_length: int) -> Any:
         return state()
@@ -156,5 +202,6 @@ for _name, _build, _state in (
     ("rglru", _rglru, RGLRUState),
     ("short_conv", _short_conv, ShortConvState),
     ("rwkv7", _rwkv7, RWKV7State),
+    ("mamba2", _mamba2, Mamba2State),
 ):
     register_mixer(Mixer(name=_name, build=_build, new_cache=_state_factory(_state)))

@@ -24,13 +24,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnlab.functional.masks import padding_mask
+from attnlab.models.outputs import EncoderOutput
+
 __all__ = [
     "TokenBatch",
     "bucket_batches",
+    "forward_unpadded",
     "make_packed",
     "make_padded",
     "pack_rows",
@@ -187,3 +192,76 @@ def rows_needed(lengths: Sequence[int], row_len: int) -> int:
 
 def ideal_rows(lengths: Sequence[int], row_len: int) -> int:
     return math.ceil(sum(lengths) / row_len)
+
+
+def forward_unpadded(
+    model: Any,
+    input_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    token_type_ids: Tensor | None,
+    position_ids: Tensor | None,
+    output_hidden_states: bool,
+) -> EncoderOutput:
+    """:meth:`EncoderModel.forward` with ``unpad=True``: the real tokens of a padded batch
+    packed into rows (a ``document`` pattern, positions restarting per sequence), the
+    states scattered back; padding positions hold zeros."""
+    if input_ids is None or attention_mask is None:
+        raise ValueError("unpad=True needs input_ids and attention_mask")
+    if tuple(attention_mask.shape) != tuple(input_ids.shape) or input_ids.dim() != 2:
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
+            f"{tuple(input_ids.shape)}, both (batch, seq_len)"
+        )
+    b, s = input_ids.shape
+    keep = padding_mask(attention_mask)[:, 0, 0, :]  # [B, S]
+    cols = torch.arange(s, device=input_ids.device).expand(b, s)
+    pos = cols if position_ids is None else position_ids.expand(b, s)
+    types = None if token_type_ids is None else token_type_ids.expand(b, s)
+    lengths = keep.sum(-1).tolist()
+    present = [r for r in range(b) if lengths[r] > 0]
+    rows = pack_rows([lengths[r] for r in present], s)
+    n_rows = len(rows)
+    ids_p = torch.zeros(n_rows, s, dtype=input_ids.dtype, device=input_ids.device)
+    pos_p = torch.zeros_like(ids_p)
+    types_p = torch.zeros_like(ids_p)
+    doc_p = torch.full_like(ids_p, -1)
+    src_flat: list[Tensor] = []  # flat index into [B * S] of each packed slot
+    dst_flat: list[Tensor] = []  # flat index into [R * S]
+    for r, members in enumerate(rows):
+        start = 0
+        for d, j in enumerate(members):
+            row = present[j]
+            where = keep[row].nonzero().flatten()  # [n]
+            n = where.numel()
+            ids_p[r, start : start + n] = input_ids[row, where]
+            pos_p[r, start : start + n] = pos[row, where]
+            if types is not None:
+                types_p[r, start : start + n] = types[row, where]
+            doc_p[r, start : start + n] = d
+            src_flat.append(row * s + where)
+            dst_flat.append(r * s + start + torch.arange(n, device=where.device))
+            start += n
+    out = model.forward(
+        input_ids=ids_p,
+        token_type_ids=types_p if types is not None else None,
+        position_ids=pos_p,
+        output_hidden_states=output_hidden_states,
+        document_ids=doc_p,
+    )
+    src = torch.cat(src_flat) if src_flat else cols.new_zeros(0)
+    dst = torch.cat(dst_flat) if dst_flat else cols.new_zeros(0)
+
+    def scatter(h: Tensor) -> Tensor:
+        d = h.shape[-1]
+        full = h.new_zeros(b * s, d)
+        full[src] = h.reshape(-1, d)[dst]
+        return full.view(b, s, d)  # [B, S, D]
+
+    last = scatter(out.last_hidden_state)
+    return EncoderOutput(
+        last_hidden_state=last,
+        pooler_output=model.pooler(last) if model.pooler is not None else None,
+        hidden_states=(
+            tuple(scatter(h) for h in out.hidden_states) if out.hidden_states is not None else None
+        ),
+    )

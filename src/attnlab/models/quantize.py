@@ -52,7 +52,9 @@ def quantize_model(
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear | QuantLinear):
+            if isinstance(child, QuantLinear):
+                continue  # already quantized (a GGUF file's blocks): never rounded twice
+            if isinstance(child, nn.Linear):
                 if not _fits(spec, child.in_features):
                     kept.append(full)
                     continue

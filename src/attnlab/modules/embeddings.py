@@ -25,6 +25,7 @@ class Embeddings(nn.Module):
         layer_norm_eps: LayerNorm epsilon.
         dropout: dropout after the LayerNorm (training only).
         pad_token_id: index whose embedding gets no gradient (``padding_idx``), or None.
+        norm_bias: a bias in the LayerNorm.
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class Embeddings(nn.Module):
         layer_norm_eps: float = 1e-12,
         dropout: float = 0.0,
         pad_token_id: int | None = None,
+        norm_bias: bool = True,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -49,7 +51,7 @@ class Embeddings(nn.Module):
         self.token_type_embeddings = (
             nn.Embedding(type_vocab_size, embed_dim) if type_vocab_size > 0 else None
         )
-        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=norm_bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(

@@ -194,8 +194,16 @@ class Int8Linear(QuantLinear):
         return dequantize_int8(self.qweight, self.scales, dtype)
 
     def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        assert name == "int8pack"
-        return self.qweight.contiguous(), self.scales[:, 0].to(dtype).contiguous()
+        if name == "int8pack":
+            return self.qweight.contiguous(), self.scales[:, 0].to(dtype).contiguous()
+        assert name == "int8groups"
+        g = self.group_size
+        out: list[Tensor] = []
+        for i in range(self.in_features // g):
+            # contiguous scales: torch's kernel reads a strided column as if it were dense
+            q_i = self.qweight[:, i * g : (i + 1) * g].contiguous()
+            out += [q_i, self.scales[:, i].to(dtype).contiguous()]
+        return tuple(out)
 
 
 class Int4Linear(QuantLinear):

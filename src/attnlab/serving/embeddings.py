@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from attnlab.serving.protocol import EMBEDDING_FIELDS, APIError, check_fields
+from attnlab.serving.protocol import EMBEDDING_FIELDS, APIError, check_fields, check_text
 
 __all__ = ["EmbeddingService", "is_embedding_folder", "load_embeddings"]
 
@@ -204,6 +204,7 @@ class EmbeddingService:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        check_text(body)
         if body.get("model") != self.model_name:
             raise APIError(
                 404,

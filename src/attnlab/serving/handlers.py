@@ -21,6 +21,7 @@ from attnlab.serving.protocol import (
     APIError,
     StreamOptions,
     check_fields,
+    check_text,
     sampling_params,
     stream_options,
 )
@@ -31,30 +32,6 @@ __all__ = ["Routes", "bool_field", "sse", "stream_flag", "usage"]
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def _check_text(body: Any) -> None:
-    """Refuse strings that are not Unicode text (a lone surrogate such as ``"\\ud800"``),
-    naming where it is (``messages[0].content``)."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                where = path or "the body"
-                raise APIError(
-                    400,
-                    f"{where} holds a string that is not valid Unicode (a lone surrogate)",
-                    param=path or None,
-                ) from None
-        elif isinstance(item, dict):
-            for k, v in item.items():
-                stack.append((f"{path}.{k}" if path else str(k), v))
-                stack.append((path or "a key", k))
-        elif isinstance(item, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
 
 
 def usage(prompt_tokens: int, generated: int) -> dict[str, int]:
@@ -106,7 +83,7 @@ class Routes:
             raise APIError(400, "the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        _check_text(body)
+        check_text(body)
         if body.get("model") != self.model_name:
             raise APIError(
                 404,

@@ -24,6 +24,7 @@ __all__ = [
     "StreamOptions",
     "chat_messages",
     "check_fields",
+    "check_text",
     "compatibility_table",
     "sampling_params",
     "stream_options",
@@ -169,6 +170,30 @@ def compatibility_table() -> str:
         lines.append(f"| `{n}` | " + " | ".join(_status(t.get(n)) for t in tables) + " |")
     lines.append("| any other field | refused | refused | refused |")
     return "\n".join(lines)
+
+
+def check_text(body: Any) -> None:
+    """Refuse strings that are not Unicode text (a lone surrogate such as ``"\\ud800"``),
+    naming where it is (``messages[0].content``)."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                where = path or "the body"
+                raise APIError(
+                    400,
+                    f"{where} holds a string that is not valid Unicode (a lone surrogate)",
+                    param=path or None,
+                ) from None
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                stack.append((f"{path}.{k}" if path else str(k), v))
+                stack.append((path or "a key", k))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
 
 
 def check_fields(body: dict[str, Any], fields: dict[str, FieldRule]) -> None:

@@ -99,8 +99,10 @@ def heatmap_figure(
     return fig
 
 
-def heads_grid_figure(weights: Tensor, tokens: list[str], *, title: str = "", cols: int = 4) -> Any:
-    """Every head of one layer, ``[H, L, L]``, in a grid of heatmaps."""
+def heads_grid_figure(
+    weights: Tensor, tokens: list[str], *, title: str = "", cols: int = 4, label: str = "head"
+) -> Any:
+    """Every head of one layer, ``[H, L, L]``, in a grid of heatmaps titled ``f"{label} {i}"``."""
     Figure = _require_matplotlib()
     if weights.dim() != 3:
         raise ValueError(f"weights must be [heads, L, L], got {tuple(weights.shape)}")
@@ -117,7 +119,7 @@ def heads_grid_figure(weights: Tensor, tokens: list[str], *, title: str = "", co
             continue
         _check(weights[h], tokens, tokens)
         _draw(ax, weights[h], tokens, tokens, annotate=False)
-        ax.set_title(f"head {h}", fontsize=9)
+        ax.set_title(f"{label} {h}", fontsize=9)
         # token labels on the outer axes only: the grid shares them, and laying out
         # 12 x 2 x L labels was a third of `attnlab visualize`'s time
         last_row = h + cols >= n
