@@ -18,7 +18,7 @@ Each side's padding share is the part of the token slots it computes that hold n
 **Peak memory.** A fresh process per mode loads the model, sets up full fine-tuning
 (every weight trains, AdamW over all), LoRA, or QLoRA (the base's linear layers in NF4,
 loaded through bfloat16), runs two steps on the same packed batch and reports its peak
-resident memory (``ru_maxrss``), everything included: the libraries, the weights, the
+resident memory (``VmHWM``; not ``ru_maxrss``, which survives ``exec``), everything included: the libraries, the weights, the
 gradients, AdamW's state and the activations.
 """
 
@@ -86,6 +86,7 @@ def _lora(model: Any, args: argparse.Namespace, *, qlora: bool = False) -> Any:
     cfg = FinetuneConfig(
         model="-", data="-", lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_dropout=0.0,
         targets=TARGETS, qlora=qlora, max_len=args.max_len,
+        gradient_checkpointing=bool(getattr(args, "checkpointing", False)),
     )  # fmt: skip
     return prepare_model(model, cfg)
 
@@ -173,6 +174,15 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _peak_rss() -> int:
+    """This process's peak resident memory (``VmHWM``; ``ru_maxrss`` survives ``exec`` on
+    Linux, so a child would report its parent's peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(args: argparse.Namespace) -> None:
     from attnlab.train.sft import pack_examples, packed_batch
     from attnlab.train.trainer import model_inputs
@@ -184,6 +194,7 @@ def child(args: argparse.Namespace) -> None:
         model = base.float().train()
         for p in model.parameters():
             p.requires_grad_(True)
+        model.config.gradient_checkpointing = args.checkpointing
     else:
         model = _lora(base, args, qlora=mode == "qlora")
     examples = _examples(tok, args.examples, 0)
@@ -199,7 +210,7 @@ def child(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     trainable = sum(p.numel() for p in params)
     print(json.dumps({"peak_bytes": peak, "trainable": trainable, "losses": losses}))
 
@@ -210,6 +221,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--child", mode, "--model", args.model,
                "--max-len", str(args.max_len), "--micro", str(args.micro),
                "--examples", str(args.examples), "--rank", str(args.rank)]  # fmt: skip
+        cmd += ["--checkpointing"] if args.checkpointing else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
     for mode in ("lora", "qlora"):
@@ -259,8 +271,10 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
     if mem is not None:
         full = mem["full"]["peak_bytes"]
         lines += [
-            f"Peak memory (fresh process each, ru_maxrss, two steps on {args.micro} packed rows "
-            f"of {args.max_len}):",
+            f"Peak memory (fresh process each, VmHWM, two steps on {args.micro} packed rows "
+            f"of {args.max_len}"
+            + (", gradient checkpointing in every mode" if args.checkpointing else "")
+            + "):",
             "",
             "| mode | trainable parameters | peak RSS (MiB) | vs full |",
             "|---|---|---|---|",
@@ -288,6 +302,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-speed", action="store_true")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="memory runs with gradient checkpointing"
+    )
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--child", choices=["full", "lora", "qlora"], help=argparse.SUPPRESS)
@@ -301,7 +318,8 @@ def main() -> None:
     text = report(args, sp, mem)
     print(text)
     if args.write:
-        write_section("## LoRA / QLoRA fine-tuning (issue 26)", text)
+        heading = "## LoRA / QLoRA fine-tuning (issue 26)"
+        write_section(heading + (" — memory, checkpointed" if args.checkpointing else ""), text)
 
 
 if __name__ == "__main__":

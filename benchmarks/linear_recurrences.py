@@ -160,9 +160,14 @@ def new_models() -> dict[str, torch.nn.Module]:
         spec = LayerSpec(
             mixer=mixer, linear=LinearLayerConfig(conv_kernel=3 if mixer == "short_conv" else 4)
         )
-        layers = {"delta_net": 7, "gated_delta_net": 7, "gla": 8, "rglru": 7, "short_conv": 9}[
-            mixer
-        ]
+        layers = {
+            "delta_net": 7,
+            "gated_delta_net": 7,
+            "gla": 8,
+            "rglru": 7,
+            "short_conv": 9,
+            "rwkv7": 6,
+        }[mixer]
         cfg = DecoderConfig(
             vocab_size=VOCAB,
             hidden_size=256,

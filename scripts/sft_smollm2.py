@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--qlora", action="store_true")
     p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=48)
     args = p.parse_args()
 
@@ -68,7 +69,7 @@ def main() -> None:
         model=str(gguf), data=str(data), out_dir=str(out), lora_rank=args.rank,
         lora_alpha=2.0 * args.rank, lora_dropout=0.05, qlora=args.qlora, max_len=args.max_len,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=5,
-        eval_every=max(1, args.steps // 2), progress=False,
+        eval_every=args.eval_every, progress=False,
     )  # fmt: skip
     summary = finetune(config)
     merged = attnlab.from_hf(out / "merged")

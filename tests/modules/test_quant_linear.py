@@ -209,3 +209,18 @@ def test_layers_whose_width_does_not_fit_the_group_stay_float() -> None:
     assert "embed_tokens" in q.quantization["float_layers"]
     assert isinstance(q.layers[0].feed_forward.down_proj, Int4Linear)
     assert type(q.layers[0].feed_forward.up_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4:g32"])
+def test_save_and_reload_computes_the_same(quant: str, tmp_path: object) -> None:
+    from pathlib import Path
+
+    from attnlab.interop.quantized import load_quantized, save_quantized
+
+    q = quantize_model(_tiny(), quant)
+    folder = save_quantized(q, Path(str(tmp_path)) / "m")
+    back = load_quantized(folder)
+    ids = torch.randint(0, 128, (1, 7))
+    torch.testing.assert_close(back(ids).logits, q(ids).logits, rtol=0, atol=0)
+    assert back.quantization == q.quantization
+    assert isinstance(back.embed_tokens, QuantEmbedding)

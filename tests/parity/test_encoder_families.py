@@ -158,12 +158,14 @@ def test_bfloat16_within_the_references_own_error(pair: tuple[str, Any, EncoderM
     assert our_err <= 2.0 * ref_err, (our_err, ref_err)
 
 
-def test_modernbert_unpadded_equals_the_padded_reference() -> None:
+@pytest.mark.parametrize("name", ["modernbert", "roberta"])
+def test_unpadded_equals_the_padded_reference(name: str) -> None:
     """``unpad=True`` packs the real tokens (a ``document`` pattern, positions restarting
-    per row, local layers' windows inside each row) and computes no padding."""
-    hf = _hf("modernbert")
+    per row, from ``pad + 1`` for RoBERTa; ModernBERT's local windows inside each row)
+    and computes no padding."""
+    hf = _hf(name)
     ours = attnlab.from_hf(hf)
-    ids, mask = _batch(0)
+    ids, mask = _batch(hf.config.pad_token_id)
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask).last_hidden_state
         got = ours(input_ids=ids, attention_mask=mask, unpad=True).last_hidden_state

@@ -8,6 +8,7 @@ kinds.
 from attnlab.cache.base import CrossAttentionCache, KVCache, LayerCache, ModelCache
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from attnlab.cache.paged import BlockAllocator, OutOfBlocks, PagedKVCache, PagedKVPool
+from attnlab.cache.sink import SinkKVCache
 
 __all__ = [
     "BlockAllocator",
@@ -19,6 +20,7 @@ __all__ = [
     "OutOfBlocks",
     "PagedKVCache",
     "PagedKVPool",
+    "SinkKVCache",
     "SlidingWindowKVCache",
     "StaticKVCache",
 ]

@@ -21,6 +21,8 @@ EXPERIMENTS: dict[str, str] = {
     "selective-copy": "attnlab.experiments.selective_copy",
     "gqa": "attnlab.experiments.gqa",
     "induction": "attnlab.experiments.induction",
+    "sinks": "attnlab.experiments.sinks",
+    "induction-real": "attnlab.experiments.induction_real",
 }
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
+from attnlab.generation.streaming import is_sink_cache, prefill_sink_cache
 
 __all__ = ["generate", "stream"]
 
@@ -94,6 +95,7 @@ def stream(
     pad_token_id: int | None = None,
     cache: Any = None,
     compile: bool = False,
+    kv_dtype: str | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
 
@@ -134,7 +136,9 @@ def stream(
         return
 
     needed = p + max_new_tokens
-    if compile:
+    if kv_dtype is not None:
+        cache = _quantized_cache(model, kv_dtype, cache, compile, needed)
+    elif compile:
         cache = _static_cache(model, cache, b, needed)
     elif cache is None:
         cache = model.new_cache(max_length=needed)  # type: ignore[operator]
@@ -150,13 +154,21 @@ def stream(
         full_mask[:, :p] = attention_mask
         next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    logits = model(
-        input_ids,
-        attention_mask=full_mask[:, :p] if full_mask is not None else None,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits
+    if is_sink_cache(cache):  # a stream past the context: fixed-size cache, prompt in chunks
+        if compile or full_mask is not None:
+            raise ValueError(
+                "a sink cache decodes eagerly and unpadded (its rows share one layout): "
+                "pass compile=False and no padded attention_mask"
+            )
+        logits = prefill_sink_cache(model, input_ids, cache)
+    else:
+        logits = model(
+            input_ids,
+            attention_mask=full_mask[:, :p] if full_mask is not None else None,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
     # models without a trusted decode step (recurrent, encoder-decoder) run their forward
     step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
     backend: str | None = None
@@ -292,6 +304,29 @@ def _static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
     return cache
 
 
+def _quantized_cache(
+    model: nn.Module, kv_dtype: str, cache: Any, compile: bool, needed: int
+) -> Any:
+    """A fresh model cache whose KV layers hold ``kv_dtype`` (:mod:`attnlab.cache.quantized`)."""
+    from attnlab.cache.kv_cache import DynamicKVCache
+    from attnlab.cache.quantized import KV_DTYPES, QuantizedKVCache
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
+    if cache is not None or compile:
+        raise ValueError(
+            "kv_dtype makes its own cache and runs eagerly: pass neither cache= nor compile=True"
+        )
+    fresh = model.new_cache(max_length=needed)  # type: ignore[operator]
+    if not all(type(c) is DynamicKVCache for c in fresh.layers):
+        raise ValueError(
+            "kv_dtype quantizes growing KV caches; this model's layers carry "
+            f"{sorted({type(c).__name__ for c in fresh.layers})}"
+        )
+    fresh.layers = [QuantizedKVCache(kv_dtype=kv_dtype, capacity=needed) for _ in fresh.layers]
+    return fresh
+
+
 def _check_token_id(name: str, value: object, vocab_size: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int token id, got {type(value).__name__} {value!r}")
@@ -378,6 +413,7 @@ def generate(
     compile: bool = False,
     speculative: str | nn.Module | None = None,
     num_draft: int = 8,
+    kv_dtype: str | None = None,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -405,6 +441,8 @@ def generate(
             (:mod:`attnlab.generation.speculative`); greedy output is unchanged and
             sampling keeps its distribution. One unpadded row, a fresh cache, eager.
         num_draft: tokens drafted per verification.
+        kv_dtype: ``"int8"`` or ``"int4"``: keep the KV cache quantized per token, the
+            newest 32 tokens also in float (:class:`~attnlab.cache.quantized.QuantizedKVCache`).
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``
@@ -417,6 +455,8 @@ def generate(
             <= 0`` with sampling.
     """
     if speculative is not None:
+        if kv_dtype is not None:
+            raise ValueError("speculative decoding keeps a float cache: drop kv_dtype")
         return _generate_speculative(
             model, input_ids, max_new_tokens, attention_mask, cache, compile, speculative,
             num_draft=num_draft, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -437,6 +477,7 @@ def generate(
             pad_token_id=pad_token_id,
             cache=cache,
             compile=compile,
+            kv_dtype=kv_dtype,
         )
     )
     if getattr(model, "is_encoder_decoder", False):

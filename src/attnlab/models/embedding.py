@@ -339,7 +339,7 @@ def _run(model: EncoderModel, batch: TokenBatch) -> Tensor:
     if batch.document_ids is not None:
         out = model(
             input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
+            position_ids=batch.position_ids + model.first_position,  # RoBERTa's from pad + 1
             document_ids=batch.document_ids,
         )
     else:

@@ -396,6 +396,15 @@ class EncoderModel(nn.Module):
             attentions=tuple(attentions) if output_attentions else None,
         )
 
+    @property
+    def first_position(self) -> int:
+        """The position id of a sequence's first token: ``pad_token_id + 1`` for RoBERTa's
+        positions, else 0 (packed rows restart each sequence there)."""
+        if self.config.position_embedding_type == "roberta":
+            assert self.config.pad_token_id is not None
+            return self.config.pad_token_id + 1
+        return 0
+
     def _roberta_positions(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
         """RoBERTa's positions: real tokens count from ``pad + 1``, padding tokens sit at ``pad``."""
         pad = self.config.pad_token_id

@@ -215,7 +215,7 @@ def forward_unpadded(
     b, s = input_ids.shape
     keep = padding_mask(attention_mask)[:, 0, 0, :]  # [B, S]
     cols = torch.arange(s, device=input_ids.device).expand(b, s)
-    pos = cols if position_ids is None else position_ids.expand(b, s)
+    pos = cols + model.first_position if position_ids is None else position_ids.expand(b, s)
     types = None if token_type_ids is None else token_type_ids.expand(b, s)
     lengths = keep.sum(-1).tolist()
     present = [r for r in range(b) if lengths[r] > 0]

