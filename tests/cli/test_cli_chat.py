@@ -145,5 +145,28 @@ def test_convert_folder_to_gguf_and_back(
     tok = transformers.AutoTokenizer.from_pretrained(str(back))
     assert tok.encode("hello there") == attnlab.from_gguf(gguf_file).tokenizer.encode("hello there")
     assert tok.chat_template is not None
+    # generate and visualize take the .gguf file too
+    capsys.readouterr()
+    assert (
+        main(["generate", "--model", str(gguf_file), "--prompt", "hello", "--max-new-tokens", "3"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("hello")
+    pictures = tmp_path / "pictures"
+    assert (
+        main(
+            [
+                "visualize",
+                "--model",
+                str(gguf_file),
+                "--text",
+                "hello there",
+                "--out",
+                str(pictures),
+            ]
+        )
+        == 0
+    )
+    assert (pictures / "index.html").is_file()
     assert main(["convert", str(folder), str(tmp_path / "x"), "--dtype", "f16"]) == 2
     assert "applies to a .gguf OUT" in capsys.readouterr().err
