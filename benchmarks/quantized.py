@@ -217,8 +217,9 @@ def weight_bytes(m: torch.nn.Module) -> int:
 
 
 def chat_ids(tok: Any, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    chat = [{"role": "user", "content": text}]
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
 
 def main() -> None:

@@ -165,3 +165,42 @@ def test_recall_builds_the_linear_kinds_and_judges_the_delta_rule_against_mamba(
     behind = {**ahead, "gated deltanet": {64: 0.25}}
     verdict, agrees = recall._verdict(behind, s)
     assert agrees is False and "do not all recall" in verdict
+
+
+def _row(seed: int, layers: int, repeat: float, score: float, steps: int = 100) -> dict:
+    return dict(seed=seed, layers=layers, steps=steps, loss_first_half=4.2, chance=4.16,
+                loss_repeated_half=repeat, repeated_half_at_init=4.3, best_head="L1H0",
+                prefix_matching=score)  # fmt: skip
+
+
+def test_quick_induction_verdict_tries_further_seeds_and_says_so() -> None:
+    from attnlab.experiments.induction import _verdict
+
+    one = _row(0, 1, 3.4, 0.10)
+    plateau, formed = _row(0, 2, 3.45, 0.16, 4000), _row(1, 2, 0.6, 0.75, 1800)
+    agrees, text = _verdict([one, plateau, formed], quick=True)
+    assert agrees and "formed at step 1800 of seed 1 after 1 seed(s) still on the plateau" in text
+    agrees, text = _verdict([one, plateau], quick=True)
+    assert not agrees and "no head formed in 1 seed(s)" in text
+    # the full run pairs seeds and needs each to agree
+    agrees, text = _verdict([one, formed, _row(1, 1, 3.3, 0.1), plateau], quick=False)
+    assert not agrees and "1 of 2 seeds" in text
+
+
+def test_training_stops_when_asked(tmp_path: Path) -> None:
+    from attnlab.train import TrainConfig, Trainer
+
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"kind": "decoder", "hidden_size": 16, "num_hidden_layers": 1,
+                      "num_attention_heads": 2, "intermediate_size": 32},
+            "data": {"source": "synthetic", "task": "copy", "task_length": 4, "num_symbols": 6},
+            "steps": 50, "batch_size": 2, "progress": False, "export": False,
+            "eval_batches": 1, "log_every": 10, "out_dir": str(tmp_path),
+        }
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.train(stop_when=lambda t: t.step >= 7)
+    assert trainer.step == 7
+    assert (tmp_path / "checkpoints" / "step-7").is_dir()
+    assert trainer.history[-2]["step"] == 7  # the last step is logged though 7 % 10 != 0

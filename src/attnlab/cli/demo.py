@@ -267,7 +267,7 @@ def _sentence_section(
     ]
     emb, report = model.encode(sentences, return_report=True)
     sim = emb @ emb.T  # normalised embeddings: cosine similarities
-    labels = [s if len(s) <= 24 else s[:23] + "…" for s in sentences]
+    labels = sentences  # whole: the figure makes room for them
     print(
         f"mean pooling over the tokens, then L2-normalised ({report.pooling_source.split('/')[-2]}"
         f"/config.json), as sentence-transformers does; cosine similarity:"
@@ -278,7 +278,14 @@ def _sentence_section(
     print("Paraphrases score high, unrelated sentences low: the vectors behind semantic search.")
     print('Try it on your own notes: attnlab embed notes.txt --query "..." --top 5')
     save_png(
-        heatmap_figure(sim, labels, title="sentence embeddings: cosine similarity"),
+        heatmap_figure(
+            sim,
+            labels,
+            title="sentence embeddings: cosine similarity",
+            axis_labels=("sentence", "sentence"),
+            value_range=(-1.0, 1.0),
+            value_label="cosine similarity",
+        ),
         out / "similarity.png",
     )
     summary["sentence_similarity"] = sim.tolist()

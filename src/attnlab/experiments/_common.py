@@ -146,12 +146,14 @@ def train_model(
     data_obj: Any = None,
     initialise: bool = True,
     optim: dict[str, Any] | None = None,
+    stop_when: Any = None,
 ) -> tuple[Any, Any]:
     """Train ``model`` with attnlab's trainer on the data section ``data``.
 
     Args:
         optim: further :class:`attnlab.train.config.OptimConfig` fields (weight decay,
             the cosine's floor), over the trainer's defaults.
+        stop_when: passed to :meth:`attnlab.train.Trainer.train` (end early).
 
     Returns:
         ``(trainer, TrainResult)``; the trainer keeps the data (``trainer.data``).
@@ -181,7 +183,7 @@ def train_model(
         _initialise(model, seed)
     trainer = Trainer(cfg, model=model, data=data_obj)
     t0 = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(stop_when=stop_when)
     trainer.close()
     trainer.seconds = time.perf_counter() - t0  # type: ignore[attr-defined]
     return trainer, result

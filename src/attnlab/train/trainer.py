@@ -286,7 +286,13 @@ class Trainer:
             result["eval_bits_per_byte"] = bits_per_byte(nats, n_bytes)
         return result
 
-    def train(self, *, resume: str | Path | None = None, until: int | None = None) -> TrainResult:
+    def train(
+        self,
+        *,
+        resume: str | Path | None = None,
+        until: int | None = None,
+        stop_when: Callable[[Trainer], bool] | None = None,
+    ) -> TrainResult:
         """Run to ``config.steps``, evaluating, logging and saving on the way.
 
         Args:
@@ -294,6 +300,8 @@ class Trainer:
                 under ``out_dir``).
             until: stop after this step (and save): the schedule stays the one of
                 ``config.steps``, so resuming later continues the same run exactly.
+            stop_when: called after every step; True ends the run there (evaluated, saved
+                and plotted as at the end), e.g. once a probe shows what a run looks for.
         """
         c, ctx = self.config, self.ctx
         if until is not None and not 0 < until <= c.steps:
@@ -325,6 +333,10 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+            if stop_when is not None and stop_when(self):
+                if self.step % c.log_every:
+                    self._log(last)
+                break
         if bar is not None:
             bar.close()
         evaluation = self.evaluate()
