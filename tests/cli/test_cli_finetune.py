@@ -103,4 +103,4 @@ def test_user_errors_are_one_line(chat_model_dir, chat_jsonl, tmp_path, capsys):
     code = main(["finetune", str(chat_model_dir), str(chat_jsonl), "--targets", "qkv"])
     assert code == 2 and "matches no linear layer" in capsys.readouterr().err
     code = main(["finetune", str(chat_model_dir), str(chat_jsonl), "--lora-rank", "0"])
-    assert code == 2 and "lora_rank" in capsys.readouterr().err
+    assert code == 2 and "lora-rank" in capsys.readouterr().err

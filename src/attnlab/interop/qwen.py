@@ -146,7 +146,9 @@ def qwen3_to_hf(model: nn.Module) -> nn.Module:
 
 
 def _is_qwen2(c: DecoderConfig) -> bool:
-    return bool(c.attention_bias and c.attention_out_bias is False and not c.qk_norm)
+    return bool(
+        c.attention_bias and c.attention_out_bias is False and not c.qk_norm and not c.moe_layers
+    )
 
 
 def _is_qwen3(c: DecoderConfig) -> bool:

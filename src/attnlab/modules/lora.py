@@ -89,6 +89,11 @@ class LoRALinear(nn.Module):
         TypeError: a base without integer ``in_features``/``out_features``.
     """
 
+    @property
+    def weight(self) -> Tensor:
+        """The frozen base layer's weight (code that reads ``layer.weight.dtype`` sees it)."""
+        return self.base_layer.weight  # type: ignore[return-value]
+
     def __init__(
         self,
         *,
