@@ -97,7 +97,6 @@ OVERSIZED_FILES = {
     "analysis/diagnostics.py": 700,
     "backends/flex.py": 550,
     "functional/masks/algebra.py": 600,
-    "generation/generate.py": 550,
     "models/decoder.py": 800,
     "serving/engine.py": 650,
     "train/distill.py": 600,
@@ -109,7 +108,6 @@ OVERSIZED_FUNCTIONS = {
     ("analysis/sizing.py", "size_model"): 150,
     ("backends/banded.py", "banded_core"): 150,
     ("cli/demo.py", "_run"): 200,
-    ("generation/generate.py", "stream"): 200,
     ("models/encoder.py", "forward"): 150,
     ("train/distill.py", "distill_sentence_encoder"): 200,
 }
