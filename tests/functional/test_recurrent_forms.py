@@ -93,6 +93,29 @@ def test_selective_scan_chunked_equals_reference(forms, case: dict) -> None:
     forms.assert_equal(ref, fast, [u, delta, A, B, C, D, z, bias], dt, g)
 
 
+@pytest.mark.parametrize("block", [1, 3, 64])
+def test_selective_scan_reverse_backward_passes_gradcheck(monkeypatch, block: int) -> None:
+    """The custom backward (functional/ssm_backward.py) against finite differences in
+    float64, over blocks of 1, 3 (11 tokens: a partial last block) and one block, with
+    the final state's gradient and an initial state."""
+    from attnlab.functional import ssm_backward
+
+    monkeypatch.setattr(ssm_backward, "_block", lambda b, d, n, limit: block)
+    g = torch.Generator().manual_seed(3)
+    b, l, d, n = 2, 11, 3, 4
+    f64 = {"generator": g, "dtype": torch.float64}
+    xs = [
+        torch.rand(b, l, d, **f64) * 0.5,  # delta
+        torch.randn(b, l, d, **f64),  # delta * u
+        -torch.rand(d, n, **f64) - 0.1,  # A
+        torch.randn(b, l, n, **f64),
+        torch.randn(b, l, n, **f64),
+        torch.randn(b, d, n, **f64),  # h0
+    ]
+    xs = [x.requires_grad_(True) for x in xs]
+    assert torch.autograd.gradcheck(ssm_backward.SelectiveScanFn.apply, xs)
+
+
 def test_selective_scan_steps_equal_the_scan() -> None:
     g = torch.Generator().manual_seed(0)
     b, l, d, n = 2, 9, 4, 3
