@@ -115,9 +115,11 @@ class RWKV7TimeMix(nn.Module):
         if value_residual == "mix":
             # RWKV-7's init: the down projection zero, the bias 1 (a gate of sigmoid(1) = 0.73)
             self.v_lora = _lora(d, min(value_low_rank_dim, d), d, None)
+            down, up = self.v_lora[0], self.v_lora[-1]
+            assert isinstance(down, nn.Linear) and isinstance(up, nn.Linear)
             with torch.no_grad():
-                self.v_lora[0].weight.zero_()
-                self.v_lora[-1].bias.fill_(1.0)
+                down.weight.zero_()
+                up.bias.fill_(1.0)
 
     def new_state(self) -> RWKV7State:
         return RWKV7State()
