@@ -67,14 +67,25 @@ class QuantWeights(Protocol):
     def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]: ...
 
 
+_NATIVE_BF16: list[bool] = []  # asked once per process, then read (also inside graphs)
+
+
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX via oneDNN)."""
-    try:
-        return bool(
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
-        return False
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX via oneDNN).
+
+    torch's own answer (``torch.ops.mkldnn._is_mkldnn_bf16_supported``), asked once and
+    remembered: a compiled graph reads the remembered value instead of calling the op.
+    """
+    if not _NATIVE_BF16:
+        try:
+            ok = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            )
+        except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
+            ok = False
+        _NATIVE_BF16.append(ok)
+    return _NATIVE_BF16[0]
 
 
 def compute_dtype(x_dtype: torch.dtype, policy: str) -> tuple[torch.dtype, str]:
