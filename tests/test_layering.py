@@ -95,7 +95,6 @@ OVERSIZED_FILES = {
     "analysis/cost.py": 750,
     "analysis/diagnostics.py": 700,
     "backends/flex.py": 550,
-    "functional/masks/algebra.py": 600,
 }
 OVERSIZED_FUNCTIONS = {
     ("analysis/advisor.py", "advise"): 400,
