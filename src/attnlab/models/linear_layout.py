@@ -51,6 +51,8 @@ class LinearLayerConfig:
         proj_bias: biases in Mamba-2's input/output projections.
         dt_limit: Mamba-2's clamp of the step sizes, or None (no clamp).
         chunk_size: tokens per chunk of the chunked forms.
+        value_residual: RWKV-7's cross-layer value residual (the first RWKV-7 layer's
+            values mixed into every later one's by a learnt gate); False turns it off.
     """
 
     num_heads: int | None = None
@@ -65,6 +67,7 @@ class LinearLayerConfig:
     proj_bias: bool = False
     dt_limit: tuple[float, float] | None = None
     chunk_size: int = 64
+    value_residual: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_value_heads", "head_dim", "value_head_dim", "width"):
