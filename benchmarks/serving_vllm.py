@@ -392,6 +392,7 @@ def main() -> None:
     ap.add_argument("--folder", type=Path, default=ROOT / "build" / "serving_vllm" / "llama-h256")
     ap.add_argument("--server-seconds", type=int, default=900, help="each server stops itself then")
     ap.add_argument("--level-seconds", type=int, default=240)
+    ap.add_argument("--ready-seconds", type=int, default=600, help="startup limit per server")
     ap.add_argument("--build-peers", action="store_true")
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--update-docs", action="store_true")
@@ -410,7 +411,7 @@ def main() -> None:
             )
         if vllm is not None:
             servers["vllm"] = start_vllm(vllm, folder, args.vllm_bind, args.server_seconds)
-        ready = {name: s.wait_ready(300) for name, s in servers.items()}
+        ready = {name: s.wait_ready(args.ready_seconds) for name, s in servers.items()}
         layout = {
             name: f"ready in {ready[name]:.0f} s, {s.threads()} OS threads, idle "
             f"{idle_cpu(s):.2f} cores"
