@@ -25,7 +25,7 @@ from attnlab.models.flat import run_grouped
 from attnlab.models.layout import MambaLayerConfig
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.mamba import MambaMixer
-from attnlab.modules.norms import PerHeadNorm, RMSNorm
+from attnlab.modules.norms import PerHeadNorm, RMSNorm, make_norm
 
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
@@ -102,8 +102,6 @@ def build_mixer(name: str, config: DecoderConfig, parts: MixerParts) -> nn.Modul
 
 def _qk_norm(config: DecoderConfig, heads: int) -> nn.Module:
     """The QK-norm of ``heads`` heads: over the whole projection or per head."""
-    from attnlab.models.decoder import make_norm  # the decoder's norm kinds; avoids a cycle
-
     assert config.head_dim is not None
     if config.qk_norm_scope == "head":
         norm = make_norm(config.norm, config.head_dim, config.norm_eps)
