@@ -360,12 +360,9 @@ def estimate(
             context, as ``generate`` does).
         expert_parallel: devices the experts of MoE layers are spread over; sets
             :attr:`CostReport.all_to_all_bytes` (on paper, balanced routing).
-        kv_dtype: decode with a dynamic cache: the self-attention KV cache stored in
-            ``"int8"``, ``"int4"`` or ``"int2"`` as
-            :class:`~attnlab.cache.quantized.QuantizedKVCache` stores it by default (keys
-            per channel in groups of 32 tokens, values per token: levels, float32 scales
-            and zero points), plus its float window of the newest 32 tokens; None or
-            ``"float"``: the model dtype.
+        kv_dtype: decode, dynamic cache: the KV cache in ``"int8"``/``"int4"``/``"int2"``
+            as :class:`~attnlab.cache.quantized.QuantizedKVCache` stores it by default
+            (:mod:`attnlab.analysis.cost_kv`); None or ``"float"``: the model dtype.
 
     Returns:
         A :class:`CostReport`.
