@@ -132,6 +132,9 @@ def test_recall_runs_split_by_architecture_combine_into_one_table(tmp_path: Path
     assert "nothing to compare" in r.verdict and r.agrees is None
     both = recall.combine([tmp_path / "mamba", tmp_path / "attention"], tmp_path / "all")
     assert [row["model"] for row in both.rows] == ["attention", "mamba"]
+    # the learning rate chosen on validation rows, per model and width, survives the merge
+    assert [row["lr at 32"] for row in both.rows] == [recall.LR, recall.LR]
+    assert set(both.settings["sweep"]) == {"attention", "mamba"}
     assert both.agrees is not None and "attention reaches" in both.verdict
     data = _strict((tmp_path / "all" / "results.json").read_text())
     assert data["settings"]["kinds"] == ["attention", "mamba"]
