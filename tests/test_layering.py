@@ -95,15 +95,12 @@ OVERSIZED_FILES = {
     "analysis/cost.py": 750,
     "analysis/diagnostics.py": 700,
     "backends/flex.py": 550,
-    "functional/masks/algebra.py": 600,
-    "generation/generate.py": 550,
 }
 OVERSIZED_FUNCTIONS = {
     ("analysis/advisor.py", "advise"): 400,
     ("analysis/cost.py", "estimate"): 350,
     ("analysis/diagnostics.py", "diagnose"): 200,
     ("analysis/sizing.py", "size_model"): 150,
-    ("generation/generate.py", "stream"): 200,
 }
 
 

@@ -155,6 +155,16 @@ def test_gqa_quick_run_orders_layouts_as_published(tmp_path: Path) -> None:
     assert grouped[-1]["uptrained_bpb"] >= grouped[0]["uptrained_bpb"]  # MQA no better than GQA-4
 
 
+def test_mqar_streams_differ_by_salt() -> None:
+    """Train, eval, test and validation rows are different draws (seeds that differ only
+    above bit 32 gave torch's generator one stream)."""
+    data = MQAR(keys=16, pairs=4, seed=0)
+    draws = [data.draw(8, salt)[0] for salt in (0, 32, 1 << 40, 1 << 41, 1 << 42)]
+    for i, a in enumerate(draws):
+        for b in draws[i + 1 :]:
+            assert not torch.equal(a[:, :8], b[:, :8])
+
+
 def test_recall_builds_the_linear_kinds_and_judges_the_delta_rule_against_mamba() -> None:
     from attnlab.experiments import recall
 

@@ -11,6 +11,7 @@ sequences.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -106,7 +107,11 @@ class MQAR:
         self.tokenizer = None
 
     def draw(self, count: int, salt: int) -> tuple[Tensor, Tensor]:
-        g = torch.Generator().manual_seed(derive_seed(self.seed, salt))
+        # torch's CPU generator keeps only the low 32 bits of a seed: the salts 2^40, 2^41
+        # and 2^42 (eval, test and validation rows) once gave one and the same stream, and
+        # the first training batch the test rows' keys; hash the derived seed to 32 bits
+        h = hashlib.blake2b(derive_seed(self.seed, salt).to_bytes(8, "little"), digest_size=4)
+        g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little"))
         n = self.pairs
         k = torch.argsort(torch.rand(count, self.keys, generator=g), 1)[:, :n]  # [B, n]
         v = torch.randint(self.keys, 2 * self.keys, (count, n), generator=g)
@@ -260,6 +265,7 @@ def run(
     seed: int = 0,
     progress: bool = True,
     kinds: Sequence[str] | None = None,
+    lrs: Sequence[float] | None = None,
 ) -> ExperimentResult:
     """Train every architecture at every width on MQAR and score it.
 
@@ -267,6 +273,8 @@ def run(
         kinds: a subset of the run's architectures (default all), so that separate
             processes can share the architectures of one run (``scripts/
             run_experiments_full.sh``); the verdict needs ``"attention"`` among them.
+        lrs: a subset of the swept learning rates (default all), likewise; :func:`combine`
+            merges the sweeps and chooses each model's rate over all of them.
     """
     s = _settings(quick, smoke)
     if kinds is not None:
@@ -274,6 +282,11 @@ def run(
         if unknown or not kinds:
             raise ValueError(f"kinds {list(kinds)!r}: choose among {list(s['kinds'])}")
         s["kinds"] = tuple(kinds)
+    if lrs is not None:
+        unknown_lr = [x for x in lrs if x not in s["lrs"]]
+        if unknown_lr or not lrs:
+            raise ValueError(f"lrs {list(lrs)!r}: choose among {list(s['lrs'])}")
+        s["lrs"] = tuple(lrs)
     t0 = time.perf_counter()
     data = MQAR(keys=s["keys"], pairs=s["pairs"], seed=seed)
     ids, labels = data.draw(s["eval"], 1 << 41)
@@ -324,19 +337,31 @@ def combine(folders: Sequence[Path], out: Path) -> ExperimentResult:
     parts = [json.loads((Path(f) / "results.json").read_text()) for f in folders]
     if not parts:
         raise ValueError("no result folders to combine")
-    per_run = ("kinds", "sweep", "best_lr")  # what each process holds of its own kinds
+    per_run = ("kinds", "sweep", "best_lr", "lrs")  # what each process holds of its own
     s = {k: v for k, v in parts[0]["settings"].items() if k not in per_run}
-    s["sweep"], s["best_lr"] = {}, {}
+    sweep: dict[str, dict[str, dict[str, Any]]] = {}
     acc: dict[str, dict[int, float]] = {}
     for part in parts:
         mine = {k: v for k, v in part["settings"].items() if k not in per_run}
         if mine != {k: v for k, v in s.items() if k not in per_run}:
             raise ValueError(f"runs with different settings: {mine} and {s}")
-        for row in part["rows"]:
+        for kind, by_w in part["settings"].get("sweep", {}).items():
+            for w, runs in by_w.items():
+                sweep.setdefault(kind, {}).setdefault(w, {}).update(runs)
+        for row in part["rows"]:  # runs from before the sweep: one rate, no sweep record
             acc[row["model"]] = {w: row[f"width {w}"] for w in s["widths"]}
-        s["sweep"].update(part["settings"].get("sweep", {}))
-        s["best_lr"].update(part["settings"].get("best_lr", {}))
-    order = [k for k in _settings(parts[0]["quick"], False)["kinds"] if k in acc]
+    full = _settings(parts[0]["quick"], False)
+    lrs = sorted({float(lr) for by_w in sweep.values() for r in by_w.values() for lr in r})
+    s["lrs"] = lrs or [LR]
+    s["best_lr"] = {}
+    for kind, by_w in sweep.items():  # each model's rate chosen over every part's runs
+        s["best_lr"][kind] = {}
+        for w, runs in by_w.items():
+            chosen = max(runs, key=lambda x: runs[x]["validation"])
+            s["best_lr"][kind][w] = float(chosen)
+            acc[kind][int(w)] = runs[chosen]["test"]
+    s["sweep"] = sweep
+    order = [k for k in full["kinds"] if k in acc]
     s["kinds"] = order
     result = _result(
         {k: acc[k] for k in order},
@@ -446,8 +471,9 @@ def _plot(acc: dict[str, dict[int, float]], s: dict[str, Any], path: Path) -> No
         bx = fig.add_subplot(1, 2, 2)
         for kind, by_w in sweep.items():
             if ref in by_w:
-                runs = by_w[ref]
-                bx.plot(lrs, [runs[f"{lr:g}"]["test"] for lr in lrs], marker="o", label=kind)
+                xs = [lr for lr in lrs if f"{lr:g}" in by_w[ref]]
+                ys = [by_w[ref][f"{lr:g}"]["test"] for lr in xs]
+                bx.plot(xs, ys, marker="o", label=kind)
         bx.set_xscale("log")
         bx.set_ylim(0, 1.02)
         bx.set_xlabel(f"learning rate (width {ref})")
