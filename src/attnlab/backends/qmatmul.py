@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from attnlab.backends.precision import native_bf16
+
 __all__ = [
     "KERNELS",
     "LinearChoice",
@@ -65,27 +67,6 @@ class QuantWeights(Protocol):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor: ...
 
     def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]: ...
-
-
-_NATIVE_BF16: list[bool] = []  # asked once per process, then read (also inside graphs)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX via oneDNN).
-
-    torch's own answer (``torch.ops.mkldnn._is_mkldnn_bf16_supported``), asked once and
-    remembered: a compiled graph reads the remembered value instead of calling the op.
-    """
-    if not _NATIVE_BF16:
-        try:
-            ok = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            )
-        except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
-            ok = False
-        _NATIVE_BF16.append(ok)
-    return _NATIVE_BF16[0]
 
 
 def compute_dtype(x_dtype: torch.dtype, policy: str) -> tuple[torch.dtype, str]:
