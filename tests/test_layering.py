@@ -94,7 +94,6 @@ OVERSIZED_FILES = {
     "analysis/advisor.py": 650,
     "analysis/cost.py": 750,
     "analysis/diagnostics.py": 700,
-    "backends/flex.py": 550,
 }
 OVERSIZED_FUNCTIONS = {
     ("analysis/advisor.py", "advise"): 400,

@@ -1,5 +1,5 @@
-"""Mamba, Mamba-2 and RetNet as presets of the one decoder shell: a DecoderLM of
-``mamba``/``mamba2``/``retention`` layers with the recurrent model's weights computes its
+"""Mamba, Mamba-2, RWKV-4 and RetNet as presets of the one decoder shell: a DecoderLM of
+``mamba``/``mamba2``/``rwkv``/``retention`` layers with the recurrent model's weights computes its
 logits (padded batches and cached decoding included) and generates its tokens; the
 retention mixer mixes with attention in one layout, and its cached decoding equals its
 forward."""
@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from attnlab.cache.kv_cache import DynamicKVCache
-from attnlab.cache.recurrent import Mamba2State, MambaState, RetentionState
+from attnlab.cache.recurrent import Mamba2State, MambaState, RetentionState, RWKVState
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.recurrent import MambaLM, RetNetLM
-from attnlab.models.recurrent_config import MambaConfig, RetNetConfig
+from attnlab.models.recurrent import RWKVLM, MambaLM, RetNetLM
+from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 from attnlab.models.recurrent_presets import (
     mamba_as_decoder,
     mamba_decoder_config,
     retnet_as_decoder,
     retnet_decoder_config,
+    rwkv_as_decoder,
 )
 
 V = 61
@@ -108,6 +109,21 @@ def test_the_retnet_preset_computes_retnets_logits(kw: dict[str, object]) -> Non
     preset = retnet_as_decoder(ours)
     assert preset.num_parameters() == ours.num_parameters()
     assert [type(c) for c in preset.new_cache().layers] == [RetentionState] * 2
+    _assert_same_function(preset, ours)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"attention_hidden_size": 24, "tie_word_embeddings": True}], ids=["plain", "wide"]
+)
+def test_the_rwkv_preset_computes_rwkvs_logits(kw: dict[str, object]) -> None:
+    torch.manual_seed(0)
+    ours = _perturbed(
+        RWKVLM(RWKVConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, chunk_size=4, **kw))
+    )
+    assert isinstance(ours, RWKVLM)
+    preset = rwkv_as_decoder(ours)
+    assert preset.num_parameters() == ours.num_parameters()
+    assert [type(c) for c in preset.new_cache().layers] == [RWKVState] * 2
     _assert_same_function(preset, ours)
 
 
