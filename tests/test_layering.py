@@ -92,9 +92,6 @@ def test_imports_point_down_only() -> None:
 #: beside this test): they are to be split, never to grow; anything else in ``src/``
 #: keeps to 500 lines a file and 120 a function.
 OVERSIZED_FILES = {
-    "analysis/advisor.py": 650,
-    "analysis/cost.py": 750,
-    "analysis/diagnostics.py": 700,
     "backends/flex.py": 550,
     "functional/masks/algebra.py": 600,
     "generation/generate.py": 550,
@@ -103,9 +100,9 @@ OVERSIZED_FILES = {
     "train/distill.py": 600,
 }
 OVERSIZED_FUNCTIONS = {
-    ("analysis/advisor.py", "advise"): 400,
-    ("analysis/cost.py", "estimate"): 350,
-    ("analysis/diagnostics.py", "diagnose"): 200,
+    ("analysis/advisor.py", "advise"): 380,
+    ("analysis/cost.py", "estimate"): 290,
+    ("analysis/diagnostics.py", "diagnose"): 170,
     ("analysis/sizing.py", "size_model"): 150,
     ("backends/banded.py", "banded_core"): 150,
     ("cli/demo.py", "_run"): 200,
