@@ -47,6 +47,7 @@ from attnlab.analysis.cost_attention import (
     group_label,
     self_attention,
 )
+from attnlab.analysis.cost_kv import check_kv_dtype, quantized_kv_bytes
 from attnlab.analysis.cost_layers import (
     BACKEND_TRAITS,
     ELEMENTWISE_FLOPS,
@@ -171,6 +172,7 @@ def estimate(
     cache: str | None = None,
     cache_capacity: int | None = None,
     expert_parallel: int = 1,
+    kv_dtype: str | None = None,
 ) -> CostReport:
     """Estimate FLOPs and memory of a model without running it.
 
@@ -209,6 +211,9 @@ def estimate(
             context, as ``generate`` does).
         expert_parallel: devices the experts of MoE layers are spread over; sets
             :attr:`CostReport.all_to_all_bytes` (on paper, balanced routing).
+        kv_dtype: decode, dynamic cache: the KV cache in ``"int8"``/``"int4"``/``"int2"``
+            as :class:`~attnlab.cache.quantized.QuantizedKVCache` stores it by default
+            (:mod:`attnlab.analysis.cost_kv`); None or ``"float"``: the model dtype.
 
     Returns:
         A :class:`CostReport`; for a layout that mixes windows, ``backend`` joins the
@@ -240,6 +245,7 @@ def estimate(
         raise ValueError(f"cache must be 'dynamic', 'static' or 'sliding', got {cache!r}")
     if mode == "decode" and cache == "sliding" and not windowed:
         raise ValueError("cache='sliding' needs a window (config or window=)")
+    kv_dtype = check_kv_dtype(kv_dtype, mode, cache)
     dtype_name, bpe = _dtype(dtype)
     training = mode == "training"
     notes: list[str] = []
@@ -345,11 +351,22 @@ def estimate(
     grad_bytes = n_params * bpe if training else 0
     opt_bytes = _optimizer_bytes(n_params, bpe, optimizer, notes) if training else 0
     kv_bytes = 0
-    if decode and encdec:
-        kv_bytes = 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * main.cache_slots * bpe
-        kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
-    elif decode:
-        kv_bytes = sum(2 * g.count * batch_size * spec.kv_dim * g.cache_slots * bpe for g in groups)
+    if decode:
+        context = self_len + new_tokens
+        kv_groups = (
+            [(spec.num_decoder_layers, main.cache_slots)]
+            if encdec
+            else [(g.count, g.cache_slots) for g in groups]
+        )
+        for n, slots in kv_groups:
+            if kv_dtype is not None:
+                kv_bytes += quantized_kv_bytes(spec, n, batch_size, slots, context, kv_dtype, bpe)
+            else:
+                kv_bytes += 2 * n * batch_size * spec.kv_dim * slots * bpe
+        if kv_dtype is not None:
+            notes.append(f"KV cache in {kv_dtype} (KIVI: keys per channel, values per token)")
+        if encdec:  # the cross-attention caches stay float
+            kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
     stored = max(g.shape.s for g in groups)
     score_pairs = batch_size * spec.num_heads * main.shape.lq * stored
     score_bytes = score_pairs * (4 if bpe < 4 else bpe)
