@@ -130,3 +130,32 @@ def test_advise_costs_a_local_global_layout_as_it_is() -> None:
     assert "local/global layers (13 of 26 local)" in recs["attention"].choice
     assert recs["window"].choice == "4096 on local layers"
     assert advice.arch.layer_windows is not None
+
+
+def test_every_decoder_family_is_estimated() -> None:
+    size = dict(
+        num_hidden_layers=6,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    gemma3 = describe(DecoderConfig.gemma3(window=32, **size))
+    assert gemma3.window_groups == [(32, 5), (None, 1)]
+    for make in (
+        DecoderConfig.qwen2,
+        DecoderConfig.qwen3,
+        DecoderConfig.qwen3_moe,
+        DecoderConfig.gemma2,
+        DecoderConfig.gemma3,
+        DecoderConfig.phi3,
+        DecoderConfig.smollm3,
+    ):
+        rep = estimate(make(**size), seq_len=256, mode="decode", backend="tiled")
+        per_slot = 2 * rep.arch.kv_dim * 4
+        want = sum(
+            count * per_slot * (257 if w is None else min(256, w) + 1)
+            for w, count in rep.arch.window_groups
+        )
+        assert rep.kv_cache_bytes == want, make.__name__
