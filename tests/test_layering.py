@@ -90,9 +90,7 @@ def test_imports_point_down_only() -> None:
 #: little above its size then (rounded up to the next 50 lines, room for the work landing
 #: beside this test): they are to be split, never to grow; anything else in ``src/``
 #: keeps to 500 lines a file and 120 a function.
-OVERSIZED_FILES = {
-    "backends/flex.py": 550,
-}
+OVERSIZED_FILES: dict[str, int] = {}
 OVERSIZED_FUNCTIONS = {
     ("analysis/advisor.py", "advise"): 380,
     ("analysis/cost.py", "estimate"): 300,
