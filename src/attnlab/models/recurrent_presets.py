@@ -2,13 +2,13 @@
 
 :func:`mamba_decoder_config` writes a :class:`~attnlab.models.recurrent_config.MambaConfig`
 as ``mamba`` (version 1) or ``mamba2`` (version 2) layers without feed-forwards, and
-:func:`mamba_as_decoder` moves a :class:`~attnlab.models.recurrent.MambaLM`'s weights
-into it; :func:`rwkv_decoder_config` and :func:`rwkv_as_decoder` do the same for RWKV-4
+:func:`as_decoder` moves a :class:`~attnlab.models.recurrent.MambaLM`'s weights
+into it; :func:`rwkv_decoder_config` do the same for RWKV-4
 (``mixer="rwkv"``, ``ffn="rwkv"``, LayerNorms, the embedding norm as its ``pre_ln``).
 :func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
 as a :class:`~attnlab.models.decoder_config.DecoderConfig` of ``retention`` layers
 (:mod:`attnlab.models.recurrent_mixers`) with gated feed-forwards, RMSNorms and no
-position embedding, and :func:`retnet_as_decoder` moves a
+position embedding, and :func:`as_decoder` moves a
 :class:`~attnlab.models.recurrent.RetNetLM`'s weights into that
 :class:`~attnlab.models.decoder.DecoderLM`: the same function of the same weights, which
 then mixes with attention or any other registered mixer in one layout.
@@ -17,6 +17,8 @@ then mixes with attention or any other registered mixer in one layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
@@ -25,14 +27,7 @@ from attnlab.models.linear_layout import LinearLayerConfig
 from attnlab.models.recurrent import RWKVLM, MambaLM, RetNetLM
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 
-__all__ = [
-    "mamba_as_decoder",
-    "mamba_decoder_config",
-    "retnet_as_decoder",
-    "retnet_decoder_config",
-    "rwkv_as_decoder",
-    "rwkv_decoder_config",
-]
+__all__ = ["as_decoder", "mamba_decoder_config", "retnet_decoder_config", "rwkv_decoder_config"]
 
 #: MambaLM sub-module path -> DecoderLM sub-module path, within one layer.
 _MAMBA_PARTS = {"norm": "self_attn_norm", "mixer": "self_attention.mixer"}
@@ -184,28 +179,6 @@ def mamba_decoder_config(config: MambaConfig) -> DecoderConfig:
     )
 
 
-def mamba_as_decoder(model: MambaLM, *, backend: str = "auto") -> DecoderLM:
-    """The :class:`DecoderLM` preset of ``model``, holding copies of its weights.
-
-    Raises:
-        TypeError: ``model`` is not a :class:`MambaLM`.
-    """
-    if not isinstance(model, MambaLM):
-        raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
-    return _moved(model, mamba_decoder_config(model.config), _MAMBA_PARTS, backend)
-
-
-def retnet_as_decoder(model: RetNetLM, *, backend: str = "auto") -> DecoderLM:
-    """The :class:`DecoderLM` preset of ``model``, holding copies of its weights.
-
-    Raises:
-        TypeError: ``model`` is not a :class:`RetNetLM`.
-    """
-    if not isinstance(model, RetNetLM):
-        raise TypeError(f"model must be a RetNetLM, got {type(model).__name__}")
-    return _moved(model, retnet_decoder_config(model.config), _RETNET_PARTS, backend)
-
-
 def rwkv_decoder_config(config: RWKVConfig) -> DecoderConfig:
     """The :class:`DecoderConfig` that builds ``config``'s RWKV-4 from its parts.
 
@@ -236,12 +209,23 @@ def rwkv_decoder_config(config: RWKVConfig) -> DecoderConfig:
     )
 
 
-def rwkv_as_decoder(model: RWKVLM, *, backend: str = "auto") -> DecoderLM:
-    """The :class:`DecoderLM` preset of ``model``, holding copies of its weights.
+#: Each recurrent model class: its config as a DecoderConfig, and its key map.
+_PRESETS: dict[type, tuple[Callable[[Any], DecoderConfig], dict[str, str]]] = {
+    MambaLM: (mamba_decoder_config, _MAMBA_PARTS),
+    RWKVLM: (rwkv_decoder_config, _RWKV_PARTS),
+    RetNetLM: (retnet_decoder_config, _RETNET_PARTS),
+}
+
+
+def as_decoder(model: MambaLM | RWKVLM | RetNetLM, *, backend: str = "auto") -> DecoderLM:
+    """The :class:`DecoderLM` preset of a recurrent model, holding copies of its weights
+    (the same function of the same weights; eval or train mode as ``model``).
 
     Raises:
-        TypeError: ``model`` is not an :class:`RWKVLM`.
+        TypeError: ``model`` is not a :class:`MambaLM`, :class:`RWKVLM` or :class:`RetNetLM`.
     """
-    if not isinstance(model, RWKVLM):
-        raise TypeError(f"model must be an RWKVLM, got {type(model).__name__}")
-    return _moved(model, rwkv_decoder_config(model.config), _RWKV_PARTS, backend)
+    preset = _PRESETS.get(type(model))
+    if preset is None:
+        raise TypeError(f"model must be a MambaLM, RWKVLM or RetNetLM, got {type(model).__name__}")
+    to_config, parts = preset
+    return _moved(model, to_config(model.config), parts, backend)
