@@ -36,28 +36,6 @@ SETTINGS = settings(max_examples=12, deadline=None)
 F64 = torch.float64
 
 
-def _left_pad_mask(b: int, l: int, g: torch.Generator) -> torch.Tensor:
-    pads = torch.randint(0, max(1, l // 2) + 1, (b,), generator=g)
-    return (torch.arange(l)[None] >= pads[:, None]).long()
-
-
-def _grads(fn, inputs, weights):
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    outs = fn(*leaves)
-    loss = sum((o * w).sum() for o, w in zip(outs, weights))
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
-
-
-def _assert_forms_equal(ref, fast, inputs, dtype, g) -> None:
-    outs_ref = ref(*inputs)
-    for a, b in zip(fast(*inputs), outs_ref):
-        torch.testing.assert_close(a, b, **TOL[dtype])
-    weights = [torch.randn(o.shape, generator=g, dtype=dtype) for o in outs_ref]
-    for a, b in zip(_grads(fast, inputs, weights), _grads(ref, inputs, weights)):
-        torch.testing.assert_close(a, b, **TOL[dtype])
-
-
 @st.composite
 def case(draw: st.DrawFn) -> dict:
     return {
@@ -75,13 +53,13 @@ def case(draw: st.DrawFn) -> dict:
     }
 
 
-def _qkv(c: dict, g: torch.Generator):
+def _qkv(c: dict, g: torch.Generator, forms):
     b, h, l, dk, dv, dt = c["b"], c["h"], c["l"], c["dk"], c["dv"], c["dtype"]
     q = torch.randn(b, h, l, dk, generator=g, dtype=dt)
     k = F.normalize(torch.randn(b, h, l, dk, generator=g, dtype=dt), dim=-1)
     v = torch.randn(b, h, l, dv, generator=g, dtype=dt)
     s0 = torch.randn(b, h, dk, dv, generator=g, dtype=dt) if c["init"] else None
-    mask = _left_pad_mask(b, l, g) if c["masked"] else None
+    mask = forms.left_pad_mask(b, l, g) if c["masked"] else None
     return q, k, v, s0, mask
 
 
@@ -90,9 +68,9 @@ def _qkv(c: dict, g: torch.Generator):
 
 @SETTINGS
 @given(case())
-def test_delta_rule_chunked_equals_reference(c: dict) -> None:
+def test_delta_rule_chunked_equals_reference(forms, c: dict) -> None:
     g = torch.Generator().manual_seed(c["seed"])
-    q, k, v, s0, mask = _qkv(c, g)
+    q, k, v, s0, mask = _qkv(c, g, forms)
     b, h, l, dt = c["b"], c["h"], c["l"], c["dtype"]
     beta = torch.rand(b, h, l, generator=g, dtype=dt)
     gate = -torch.rand(b, h, l, generator=g, dtype=dt) * 2
@@ -105,7 +83,7 @@ def test_delta_rule_chunked_equals_reference(c: dict) -> None:
         gk = xs[4] if c["gated"] else None
         return delta_rule_chunked(*xs[:4], g=gk, state=s0, mask=mask, chunk_size=c["chunk"])
 
-    _assert_forms_equal(ref, fast, inputs, dt, g)
+    forms.assert_equal(ref, fast, inputs, dt, g)
 
 
 def _delta_rule_papers(q, k, v, beta, alpha, s0):
@@ -214,9 +192,9 @@ def test_delta_rule_rejects_bad_inputs() -> None:
 
 @SETTINGS
 @given(case())
-def test_gla_chunked_equals_reference(c: dict) -> None:
+def test_gla_chunked_equals_reference(forms, c: dict) -> None:
     g = torch.Generator().manual_seed(c["seed"])
-    q, k, v, s0, mask = _qkv(c, g)
+    q, k, v, s0, mask = _qkv(c, g, forms)
     k = k * 2  # GLA does not normalise its keys
     # strong decays too: the chunked form must stay exact when e^{-b} would overflow
     scale = 40.0 if c["gated"] else 1.0
@@ -228,7 +206,7 @@ def test_gla_chunked_equals_reference(c: dict) -> None:
     def fast(*xs):
         return gla_chunked(*xs, state=s0, mask=mask, chunk_size=c["chunk"])
 
-    _assert_forms_equal(ref, fast, [q, k, v, gk], c["dtype"], g)
+    forms.assert_equal(ref, fast, [q, k, v, gk], c["dtype"], g)
 
 
 def test_gla_reference_is_the_papers_double_sum() -> None:
@@ -266,7 +244,7 @@ def test_gla_rejects_bad_inputs() -> None:
 
 @SETTINGS
 @given(case())
-def test_linear_recurrence_scan_equals_reference(c: dict) -> None:
+def test_linear_recurrence_scan_equals_reference(forms, c: dict) -> None:
     g = torch.Generator().manual_seed(c["seed"])
     b, l, d, dt = c["b"], c["l"], c["dk"], c["dtype"]
     a = torch.rand(b, l, d, generator=g, dtype=dt) ** (8.0 if c["gated"] else 0.2)
@@ -279,7 +257,7 @@ def test_linear_recurrence_scan_equals_reference(c: dict) -> None:
     def fast(a_, u_):
         return linear_recurrence_scan(a_, u_, state=h0, chunk_size=c["chunk"])
 
-    _assert_forms_equal(ref, fast, [a, u], dt, g)
+    forms.assert_equal(ref, fast, [a, u], dt, g)
 
 
 def test_rglru_coefficients_are_griffins() -> None:
@@ -326,8 +304,8 @@ def test_short_conv_forms_agree(l: int, k: int) -> None:
 # ---------------------------------------------------------------------- RWKV-7
 
 
-def _rwkv7_inputs(c: dict, g: torch.Generator):
-    q, k, v, s0, mask = _qkv(c, g)
+def _rwkv7_inputs(c: dict, g: torch.Generator, forms):
+    q, k, v, s0, mask = _qkv(c, g, forms)
     kappa = F.normalize(torch.randn(q.shape, generator=g, dtype=c["dtype"]), dim=-1)
     a_gate = torch.rand(q.shape, generator=g, dtype=c["dtype"])
     gk = -torch.rand(q.shape, generator=g, dtype=c["dtype"]) * (8.0 if c["gated"] else 0.6)
@@ -336,9 +314,9 @@ def _rwkv7_inputs(c: dict, g: torch.Generator):
 
 @SETTINGS
 @given(case())
-def test_rwkv7_chunked_equals_reference(c: dict) -> None:
+def test_rwkv7_chunked_equals_reference(forms, c: dict) -> None:
     g = torch.Generator().manual_seed(c["seed"])
-    inputs, s0, mask = _rwkv7_inputs(c, g)
+    inputs, s0, mask = _rwkv7_inputs(c, g, forms)
 
     def ref(*xs):
         return rwkv7_reference(*xs, state=s0, mask=mask)
@@ -346,7 +324,7 @@ def test_rwkv7_chunked_equals_reference(c: dict) -> None:
     def fast(*xs):
         return rwkv7_chunked(*xs, state=s0, mask=mask, chunk_size=c["chunk"])
 
-    _assert_forms_equal(ref, fast, inputs, c["dtype"], g)
+    forms.assert_equal(ref, fast, inputs, c["dtype"], g)
 
 
 def test_rwkv7_reference_is_the_papers_update() -> None:

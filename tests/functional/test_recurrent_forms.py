@@ -35,29 +35,6 @@ DTYPES = st.sampled_from([torch.float32, torch.float64])
 SETTINGS = settings(max_examples=15, deadline=None)
 
 
-def _left_pad_mask(b: int, l: int, g: torch.Generator) -> torch.Tensor:
-    pads = torch.randint(0, max(1, l // 2) + 1, (b,), generator=g)
-    return (torch.arange(l)[None] >= pads[:, None]).long()
-
-
-def _grads(fn, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    outs = fn(*leaves)
-    loss = sum((o * w).sum() for o, w in zip(outs, weights))
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
-
-
-def _assert_forms_equal(ref, fast, inputs, dtype, g) -> None:
-    outs_ref = ref(*inputs)
-    outs_fast = fast(*inputs)
-    for a, b in zip(outs_fast, outs_ref):
-        torch.testing.assert_close(a, b, **TOL[dtype])
-    weights = [torch.randn(o.shape, generator=g, dtype=dtype) for o in outs_ref]
-    for a, b in zip(_grads(fast, inputs, weights), _grads(ref, inputs, weights)):
-        torch.testing.assert_close(a, b, **TOL[dtype])
-
-
 # ---------------------------------------------------------------------- selective scan
 
 
@@ -78,7 +55,7 @@ def scan_case(draw: st.DrawFn) -> dict:
 
 @SETTINGS
 @given(scan_case())
-def test_selective_scan_chunked_equals_reference(case: dict) -> None:
+def test_selective_scan_chunked_equals_reference(forms, case: dict) -> None:
     dt, b, l, d, n = case["dtype"], case["b"], case["l"], case["d"], case["n"]
     g = torch.Generator().manual_seed(case["seed"])
     u = torch.randn(b, l, d, generator=g, dtype=dt)
@@ -90,7 +67,7 @@ def test_selective_scan_chunked_equals_reference(case: dict) -> None:
     z = torch.randn(b, l, d, generator=g, dtype=dt)
     bias = torch.randn(d, generator=g, dtype=dt) * 0.5
     h0 = torch.randn(b, d, n, generator=g, dtype=dt) if case["init"] else None
-    mask = _left_pad_mask(b, l, g) if case["masked"] else None
+    mask = forms.left_pad_mask(b, l, g) if case["masked"] else None
 
     def ref(*xs):
         return selective_scan_reference(
@@ -113,7 +90,30 @@ def test_selective_scan_chunked_equals_reference(case: dict) -> None:
             chunk_size=case["chunk"],
         )
 
-    _assert_forms_equal(ref, fast, [u, delta, A, B, C, D, z, bias], dt, g)
+    forms.assert_equal(ref, fast, [u, delta, A, B, C, D, z, bias], dt, g)
+
+
+@pytest.mark.parametrize("block", [1, 3, 64])
+def test_selective_scan_reverse_backward_passes_gradcheck(monkeypatch, block: int) -> None:
+    """The custom backward (functional/ssm_backward.py) against finite differences in
+    float64, over blocks of 1, 3 (11 tokens: a partial last block) and one block, with
+    the final state's gradient and an initial state."""
+    from attnlab.functional import ssm_backward
+
+    monkeypatch.setattr(ssm_backward, "_block", lambda b, d, n, limit: block)
+    g = torch.Generator().manual_seed(3)
+    b, l, d, n = 2, 11, 3, 4
+    f64 = {"generator": g, "dtype": torch.float64}
+    xs = [
+        torch.rand(b, l, d, **f64) * 0.5,  # delta
+        torch.randn(b, l, d, **f64),  # delta * u
+        -torch.rand(d, n, **f64) - 0.1,  # A
+        torch.randn(b, l, n, **f64),
+        torch.randn(b, l, n, **f64),
+        torch.randn(b, d, n, **f64),  # h0
+    ]
+    xs = [x.requires_grad_(True) for x in xs]
+    assert torch.autograd.gradcheck(ssm_backward.SelectiveScanFn.apply, xs)
 
 
 def test_selective_scan_steps_equal_the_scan() -> None:
@@ -184,7 +184,7 @@ def ssd_case(draw: st.DrawFn) -> dict:
 
 @SETTINGS
 @given(ssd_case())
-def test_ssd_chunked_equals_reference(case: dict) -> None:
+def test_ssd_chunked_equals_reference(forms, case: dict) -> None:
     dt, b, l, h, p, n, gr = (case[k] for k in ("dtype", "b", "l", "h", "p", "n", "g"))
     g = torch.Generator().manual_seed(case["seed"])
     x = torch.randn(b, l, h, p, generator=g, dtype=dt)
@@ -195,7 +195,7 @@ def test_ssd_chunked_equals_reference(case: dict) -> None:
     D = torch.randn(h, generator=g, dtype=dt)
     bias = torch.randn(h, generator=g, dtype=dt) * 0.5
     h0 = torch.randn(b, h, p, n, generator=g, dtype=dt) if case["init"] else None
-    mask = _left_pad_mask(b, l, g) if case["masked"] else None
+    mask = forms.left_pad_mask(b, l, g) if case["masked"] else None
 
     def ref(*xs):
         return ssd_reference(
@@ -218,7 +218,7 @@ def test_ssd_chunked_equals_reference(case: dict) -> None:
             chunk_size=case["chunk"],
         )
 
-    _assert_forms_equal(ref, fast, [x, tstep, A, B, C, D, bias], dt, g)
+    forms.assert_equal(ref, fast, [x, tstep, A, B, C, D, bias], dt, g)
 
 
 def test_ssd_is_the_selective_scan_with_a_scalar_A_per_head() -> None:
@@ -293,7 +293,7 @@ def wkv_case(draw: st.DrawFn) -> dict:
 
 @SETTINGS
 @given(wkv_case())
-def test_wkv_chunked_equals_reference(case: dict) -> None:
+def test_wkv_chunked_equals_reference(forms, case: dict) -> None:
     dt, b, l, c = case["dtype"], case["b"], case["l"], case["c"]
     g = torch.Generator().manual_seed(case["seed"])
     w, u = (torch.randn(c, generator=g, dtype=dt) for _ in range(2))
@@ -304,7 +304,7 @@ def test_wkv_chunked_equals_reference(case: dict) -> None:
         _, state = wkv_reference(
             w, u, torch.randn(b, 3, c, generator=g, dtype=dt), v[:, :1].expand(b, 3, c)
         )
-    mask = _left_pad_mask(b, l, g) if case["masked"] else None
+    mask = forms.left_pad_mask(b, l, g) if case["masked"] else None
 
     def ref(w, u, k, v):
         y, s = wkv_reference(w, u, k, v, state=state, mask=mask)
@@ -323,8 +323,8 @@ def test_wkv_chunked_equals_reference(case: dict) -> None:
         )
     weights = [torch.randn(outs_ref[0].shape, generator=g, dtype=dt)]
     for a, b_ in zip(
-        _grads(lambda *xs: fast(*xs)[:1], [w, u, k, v], weights),
-        _grads(lambda *xs: ref(*xs)[:1], [w, u, k, v], weights),
+        forms.grads(lambda *xs: fast(*xs)[:1], [w, u, k, v], weights),
+        forms.grads(lambda *xs: ref(*xs)[:1], [w, u, k, v], weights),
     ):
         torch.testing.assert_close(a, b_, **TOL[dt])
 
@@ -350,7 +350,7 @@ def retention_case(draw: st.DrawFn) -> dict:
 
 @SETTINGS
 @given(retention_case())
-def test_retention_forms_equal(case: dict) -> None:
+def test_retention_forms_equal(forms, case: dict) -> None:
     dt, b, h, l, dk, dv = (case[k] for k in ("dtype", "b", "h", "l", "dk", "dv"))
     g = torch.Generator().manual_seed(case["seed"])
     q = torch.randn(b, h, l, dk, generator=g, dtype=dt) / math.sqrt(dk)
@@ -358,7 +358,7 @@ def test_retention_forms_equal(case: dict) -> None:
     v = torch.randn(b, h, l, dv, generator=g, dtype=dt)
     gamma = 1 - 2.0 ** (-5 - torch.arange(h, dtype=dt))  # RetNet's decays
     s0 = torch.randn(b, h, dk, dv, generator=g, dtype=dt) if case["init"] else None
-    mask = _left_pad_mask(b, l, g) if case["masked"] else None
+    mask = forms.left_pad_mask(b, l, g) if case["masked"] else None
 
     def rec(q, k, v, gamma):
         return retention_recurrent(q, k, v, gamma, state=s0, mask=mask)
@@ -369,8 +369,8 @@ def test_retention_forms_equal(case: dict) -> None:
     def chunk(q, k, v, gamma):
         return retention_chunkwise(q, k, v, gamma, state=s0, mask=mask, chunk_size=case["chunk"])
 
-    _assert_forms_equal(rec, par, [q, k, v, gamma], dt, g)
-    _assert_forms_equal(rec, chunk, [q, k, v, gamma], dt, g)
+    forms.assert_equal(rec, par, [q, k, v, gamma], dt, g)
+    forms.assert_equal(rec, chunk, [q, k, v, gamma], dt, g)
 
 
 def test_retention_is_the_papers_decayed_sum() -> None:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional._scan_checks import check_chunk_size, check_float, check_shape, token_mask
+from attnlab.functional.ssm_backward import SelectiveScanFn
 
 __all__ = ["selective_scan_chunked", "selective_scan_reference", "selective_scan_step"]
 
@@ -170,45 +171,61 @@ def selective_scan_chunked(
     nc = max(1, -(-l // T))
     pad = nc * T - l
     du = delta * u  # [B, L, D]
+    s = initial_state if initial_state is not None else u.new_zeros((b, d, n))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (delta, du, A, B, C, s)):
+        # training: the reverse-scan backward (functional/ssm_backward.py), no graph over
+        # tokens
+        y, s = SelectiveScanFn.apply(delta, du, A, B, C, s)
+        y = _finish(y, u, D, z)
+        return (y, s) if return_final_state else y
     if pad:  # padded steps have delta = 0: no decay, no input, the state passes unchanged
         delta, du = (F.pad(x, (0, 0, 0, pad)) for x in (delta, du))
         B, C = (F.pad(x, (0, 0, 0, pad)) for x in (B, C))
+    y, s = _scan(delta, du, A, B, C, s, T)
+    y = _finish(y[:, :l], u, D, z)
+    return (y, s) if return_final_state else y
+
+
+def _scan(
+    delta: Tensor,
+    du: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    s: Tensor,
+    T: int,
+) -> tuple[Tensor, Tensor]:
+    """The two-level scan on padded inputs (``L`` a multiple of ``T``): ``(y [B, L, D],
+    final state)``, updating the states in place (no autograd: the backward is
+    :class:`attnlab.functional.ssm_backward.SelectiveScanFn`'s)."""
+    b, lp, d = du.shape
+    n = A.shape[1]
+    nc = lp // T
     dl = delta.view(b, nc, T, d, 1)
     dul = du.view(b, nc, T, d, 1)
     Bc = B.view(b, nc, T, 1, n)
     Cc = C.view(b, nc, T, 1, n)
     decays: list[Tensor] = []  # exp(delta_t A) per step [B, nc, D, N], kept from pass 1 for pass 3
-    # without autograd, the states are updated in place (no allocation per step)
-    inplace = not (
-        torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (dl, dul, A, B, C, initial_state))
-    )
-    work = u.new_empty((b, nc, d, n)) if inplace else None  # scratch of the in-place steps
+    work = du.new_empty((b, nc, d, n))  # scratch of the in-place steps
 
     def decay(t: int) -> Tensor:
         if t < len(decays):
             return decays[t]
-        x = dl[:, :, t] * A  # [B, nc, D, N]
-        return x.exp_() if inplace else torch.exp(x)
+        return (dl[:, :, t] * A).exp_()  # [B, nc, D, N]
 
     def update(h: Tensor, a: Tensor, t: int) -> Tensor:
         # h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t, in every chunk at once
-        if work is None:
-            return torch.addcmul(a * h, dul[:, :, t], Bc[:, :, t])
         return h.mul_(a).add_(torch.mul(dul[:, :, t], Bc[:, :, t], out=work))
 
     def read(h: Tensor, t: int) -> Tensor:
         # y_t = C_t . h_t  [B, nc, D]
-        if work is None:
-            return (h * Cc[:, :, t]).sum(-1)
         return torch.mul(h, Cc[:, :, t], out=work).sum(-1)
 
-    s = initial_state if initial_state is not None else u.new_zeros((b, d, n))
     if nc == 1:
-        starts = s[:, None].clone() if inplace else s[:, None]  # [B, 1, D, N]
+        starts = s[:, None].clone()  # [B, 1, D, N]
     else:
         # 1. each chunk's end state from a zero start, all chunks at once (T steps)
-        h = u.new_zeros((b, nc, d, n))
+        h = du.new_zeros((b, nc, d, n))
         for t in range(T):
             decays.append(decay(t))
             h = update(h, decays[t], t)
@@ -228,9 +245,8 @@ def selective_scan_chunked(
         ys.append(read(h, t))
     if nc == 1:
         s = h[:, 0]
-    y = torch.stack(ys, 2).view(b, nc * T, d)[:, :l]  # [B, L, D]
-    y = _finish(y, u, D, z)
-    return (y, s) if return_final_state else y
+    y = torch.stack(ys, 2).reshape(b, nc * T, d)  # [B, L, D]
+    return y, s
 
 
 def selective_scan_step(

@@ -441,8 +441,9 @@ def generate(
             (:mod:`attnlab.generation.speculative`); greedy output is unchanged and
             sampling keeps its distribution. One unpadded row, a fresh cache, eager.
         num_draft: tokens drafted per verification.
-        kv_dtype: ``"int8"`` or ``"int4"``: keep the KV cache quantized per token, the
-            newest 32 tokens also in float (:class:`~attnlab.cache.quantized.QuantizedKVCache`).
+        kv_dtype: ``"int8"``, ``"int4"`` or ``"int2"``: keep the KV cache quantized as
+            KIVI does (keys per channel in groups of 32 tokens, values per token), the
+            newest 32+ tokens in float (:class:`~attnlab.cache.quantized.QuantizedKVCache`).
 
     Returns:
         Long ``[B, P + N]`` for a causal LM (the prompts, then ``N <= max_new_tokens``

@@ -20,15 +20,15 @@ from typing import Any
 
 from torch import nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import (
-    _first,
-    add_tied_head,
-    claims,
-    drop_tied_head,
-    rope_from_hf,
-    rope_to_hf,
+from attnlab.interop.hf import require_transformers
+from attnlab.interop.hybrid import (
+    hybrid_converter,
+    layer_key_map,
+    linear_settings,
+    special_tokens,
+    special_tokens_to_hf,
 )
+from attnlab.interop.llama import rope_from_hf, rope_to_hf
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
@@ -87,14 +87,8 @@ def bamba_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
     params.pop("partial_rotary_factor", None)  # always 0.5 in Bamba
     cfg["rope_parameters"] = params or None
     theta, scaling = rope_from_hf(cfg)
-    vocab = cfg["vocab_size"]
-
-    def token(name: str) -> int | None:
-        t = _first(cfg.get(name))
-        return t if t is not None and 0 <= t < vocab else None
-
     return DecoderConfig(
-        vocab_size=vocab,
+        vocab_size=cfg["vocab_size"],
         hidden_size=d,
         num_hidden_layers=n,
         num_attention_heads=heads,
@@ -111,9 +105,7 @@ def bamba_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        pad_token_id=token("pad_token_id"),
-        bos_token_id=token("bos_token_id"),
-        eos_token_id=token("eos_token_id"),
+        **special_tokens(cfg),
         layers=layers,
         model_type="bamba",
     )
@@ -121,22 +113,7 @@ def bamba_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
 
 def key_map(model: nn.Module) -> dict[str, str]:
     """attnlab keys -> transformers keys."""
-    assert isinstance(model, DecoderLM)
-    m = {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.final_layernorm.weight",
-    }
-    if model.lm_head is not None:
-        m["lm_head.weight"] = "lm_head.weight"
-    for key in model.state_dict():
-        if not key.startswith("layers."):
-            continue
-        i, rest = key[len("layers.") :].split(".", 1)
-        for ours, theirs in _PARTS.items():
-            if rest == ours or rest.startswith(ours + "."):
-                m[key] = f"model.layers.{i}.{theirs}{rest[len(ours) :]}"
-                break
-    return m
+    return layer_key_map(model, _PARTS, final_norm="final_layernorm")
 
 
 def bamba_to_hf(model: nn.Module) -> nn.Module:
@@ -148,7 +125,7 @@ def bamba_to_hf(model: nn.Module) -> nn.Module:
             "Bamba has Mamba-2 or attention layers, each with a dense feed-forward; got "
             f"{[(s.mixer, s.ffn) for s in specs]}"
         )
-    mambas = {s.linear or LinearLayerConfig() for s in specs if s.mixer == "mamba2"}
+    mambas = linear_settings(c, "mamba2")
     if len(mambas) != 1:
         raise ValueError("Bamba has one Mamba-2 setting for every Mamba-2 layer")
     mb = mambas.pop()
@@ -197,28 +174,16 @@ def bamba_to_hf(model: nn.Module) -> nn.Module:
         mamba_conv_bias=mb.conv_bias,
         mamba_proj_bias=mb.proj_bias,
         time_step_limit=mb.dt_limit if mb.dt_limit is not None else (0.0, math.inf),
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
+        **special_tokens_to_hf(c),
     )
     return tf.BambaForCausalLM(cfg)
 
 
-def _is_bamba(model: Any) -> bool:
-    return claims(model, "bamba", lambda c: any(s.mixer == "mamba2" for s in c.layer_specs))
-
-
-BAMBA = register_converter(
-    Converter(
-        model_type="bamba",
-        hf_classes={"BambaForCausalLM": ""},
-        attnlab_class=DecoderLM,
-        config_from_hf=bamba_config,
-        build=DecoderLM,
-        key_map=key_map,
-        to_hf_model=bamba_to_hf,
-        weights_from_hf=drop_tied_head,
-        weights_to_hf=add_tied_head,
-        accepts=_is_bamba,
-    )
+BAMBA = hybrid_converter(
+    model_type="bamba",
+    hf_class="BambaForCausalLM",
+    config_from_hf=bamba_config,
+    key_map=key_map,
+    to_hf_model=bamba_to_hf,
+    mixer="mamba2",
 )

@@ -27,8 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import _first, add_tied_head, drop_tied_head
+from attnlab.interop.hf import require_transformers
+from attnlab.interop.hybrid import (
+    hybrid_converter,
+    layer_key_map,
+    special_tokens,
+    special_tokens_to_hf,
+)
+from attnlab.interop.llama import drop_tied_head
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MambaLayerConfig, MoEConfig
@@ -93,14 +99,8 @@ def jamba_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
                 mamba=None if attention else mamba,
             )
         )
-    vocab = cfg["vocab_size"]
-
-    def token(name: str) -> int | None:
-        t = _first(cfg.get(name))
-        return t if t is not None and 0 <= t < vocab else None
-
     return DecoderConfig(
-        vocab_size=vocab,
+        vocab_size=cfg["vocab_size"],
         hidden_size=h,
         num_hidden_layers=n,
         num_attention_heads=heads,
@@ -113,31 +113,14 @@ def jamba_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 262144),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-        pad_token_id=token("pad_token_id"),
-        bos_token_id=token("bos_token_id"),
-        eos_token_id=token("eos_token_id"),
+        **special_tokens(cfg),
         layers=tuple(layers),
     )
 
 
 def key_map(model: nn.Module) -> dict[str, str]:
     """attnlab keys -> transformers keys."""
-    assert isinstance(model, DecoderLM)
-    m = {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.final_layernorm.weight",
-    }
-    if model.lm_head is not None:
-        m["lm_head.weight"] = "lm_head.weight"
-    for key in model.state_dict():
-        if not key.startswith("layers."):
-            continue
-        i, rest = key[len("layers.") :].split(".", 1)
-        for ours, theirs in _PARTS.items():
-            if rest == ours or rest.startswith(ours + "."):
-                m[key] = f"model.layers.{i}.{theirs}{rest[len(ours) :]}"
-                break
-    return m
+    return layer_key_map(model, _PARTS, final_norm="final_layernorm")
 
 
 _PER_EXPERT = re.compile(
@@ -260,9 +243,7 @@ def jamba_to_hf(model: nn.Module) -> nn.Module:
         mamba_dt_rank=mamba.rank(c.hidden_size),
         mamba_conv_bias=mamba.conv_bias,
         mamba_proj_bias=mamba.proj_bias,
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
+        **special_tokens_to_hf(c),
     )
     return tf.JambaForCausalLM(cfg)
 
@@ -273,17 +254,13 @@ def _is_jamba(model: Any) -> bool:
     )
 
 
-JAMBA = register_converter(
-    Converter(
-        model_type="jamba",
-        hf_classes={"JambaForCausalLM": ""},
-        attnlab_class=DecoderLM,
-        config_from_hf=jamba_config,
-        build=DecoderLM,
-        key_map=key_map,
-        to_hf_model=jamba_to_hf,
-        weights_from_hf=weights_from_hf,
-        weights_to_hf=add_tied_head,
-        accepts=_is_jamba,
-    )
+JAMBA = hybrid_converter(
+    model_type="jamba",
+    hf_class="JambaForCausalLM",
+    config_from_hf=jamba_config,
+    key_map=key_map,
+    to_hf_model=jamba_to_hf,
+    mixer="mamba",
+    weights_from_hf=weights_from_hf,
+    accepts=_is_jamba,
 )

@@ -23,15 +23,15 @@ from typing import Any
 
 from torch import nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import (
-    _first,
-    add_tied_head,
-    claims,
-    drop_tied_head,
-    rope_from_hf,
-    rope_to_hf,
+from attnlab.interop.hf import require_transformers
+from attnlab.interop.hybrid import (
+    hybrid_converter,
+    layer_key_map,
+    linear_settings,
+    special_tokens,
+    special_tokens_to_hf,
 )
+from attnlab.interop.llama import rope_from_hf, rope_to_hf
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
@@ -88,14 +88,8 @@ def lfm2_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
     )
     theta, scaling = rope_from_hf(cfg)
     heads = cfg["num_attention_heads"]
-    vocab = cfg["vocab_size"]
-
-    def token(name: str) -> int | None:
-        t = _first(cfg.get(name))
-        return t if t is not None and 0 <= t < vocab else None
-
     return DecoderConfig(
-        vocab_size=vocab,
+        vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_hidden_layers=n,
         num_attention_heads=heads,
@@ -110,9 +104,7 @@ def lfm2_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
         qk_norm=True,
         qk_norm_scope="head",
-        pad_token_id=token("pad_token_id"),
-        bos_token_id=token("bos_token_id"),
-        eos_token_id=token("eos_token_id"),
+        **special_tokens(cfg),
         layers=layers,
         model_type="lfm2",
     )
@@ -120,22 +112,7 @@ def lfm2_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderConfig:
 
 def key_map(model: nn.Module) -> dict[str, str]:
     """attnlab keys -> transformers keys."""
-    assert isinstance(model, DecoderLM)
-    m = {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.embedding_norm.weight",
-    }
-    if model.lm_head is not None:
-        m["lm_head.weight"] = "lm_head.weight"
-    for key in model.state_dict():
-        if not key.startswith("layers."):
-            continue
-        i, rest = key[len("layers.") :].split(".", 1)
-        for ours, theirs in _PARTS.items():
-            if rest == ours or rest.startswith(ours + "."):
-                m[key] = f"model.layers.{i}.{theirs}{rest[len(ours) :]}"
-                break
-    return m
+    return layer_key_map(model, _PARTS, final_norm="embedding_norm")
 
 
 def _check(c: DecoderConfig) -> list[str]:
@@ -146,7 +123,7 @@ def _check(c: DecoderConfig) -> list[str]:
             "LFM2 has short-convolution or attention layers, each with a dense feed-forward; "
             f"got {[(s.mixer, s.ffn) for s in specs]}"
         )
-    convs = {s.linear or LinearLayerConfig() for s in specs if s.mixer == "short_conv"}
+    convs = linear_settings(c, "short_conv")
     if len({(x.conv_kernel, x.conv_bias) for x in convs}) > 1:
         raise ValueError("LFM2 has one convolution width and bias setting for every layer")
     if (
@@ -187,28 +164,16 @@ def lfm2_to_hf(model: nn.Module) -> nn.Module:
         conv_L_cache=conv.conv_kernel,
         conv_bias=conv.conv_bias,
         layer_types=types,
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
+        **special_tokens_to_hf(c),
     )
     return tf.Lfm2ForCausalLM(cfg)
 
 
-def _is_lfm2(model: Any) -> bool:
-    return claims(model, "lfm2", lambda c: any(s.mixer == "short_conv" for s in c.layer_specs))
-
-
-LFM2 = register_converter(
-    Converter(
-        model_type="lfm2",
-        hf_classes={"Lfm2ForCausalLM": ""},
-        attnlab_class=DecoderLM,
-        config_from_hf=lfm2_config,
-        build=DecoderLM,
-        key_map=key_map,
-        to_hf_model=lfm2_to_hf,
-        weights_from_hf=drop_tied_head,
-        weights_to_hf=add_tied_head,
-        accepts=_is_lfm2,
-    )
+LFM2 = hybrid_converter(
+    model_type="lfm2",
+    hf_class="Lfm2ForCausalLM",
+    config_from_hf=lfm2_config,
+    key_map=key_map,
+    to_hf_model=lfm2_to_hf,
+    mixer="short_conv",
 )

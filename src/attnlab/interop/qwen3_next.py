@@ -25,8 +25,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import _first, add_tied_head, claims, rope_from_hf
+from attnlab.interop.hf import require_transformers
+from attnlab.interop.hybrid import (
+    hybrid_converter,
+    layer_key_map,
+    linear_settings,
+    special_tokens,
+    special_tokens_to_hf,
+)
+from attnlab.interop.llama import add_tied_head, rope_from_hf
 from attnlab.interop.moe import fuse_experts
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
@@ -117,14 +124,8 @@ def qwen3_next_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderCon
     factor = float(params.pop("partial_rotary_factor", cfg.pop("partial_rotary_factor", 0.25)))
     cfg["rope_parameters"] = params or None
     theta, scaling = rope_from_hf(cfg)
-    vocab = cfg["vocab_size"]
-
-    def token(name: str) -> int | None:
-        t = _first(cfg.get(name))
-        return t if t is not None and 0 <= t < vocab else None
-
     return DecoderConfig(
-        vocab_size=vocab,
+        vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_hidden_layers=n,
         num_attention_heads=heads,
@@ -143,9 +144,7 @@ def qwen3_next_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderCon
         qk_norm=True,
         qk_norm_scope="head",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        pad_token_id=token("pad_token_id"),
-        bos_token_id=token("bos_token_id"),
-        eos_token_id=token("eos_token_id"),
+        **special_tokens(cfg),
         layers=tuple(layers),
         model_type="qwen3_next",
     )
@@ -153,19 +152,7 @@ def qwen3_next_config(cfg: dict[str, Any], weight_names: set[str]) -> DecoderCon
 
 def key_map(model: nn.Module) -> dict[str, str]:
     """attnlab keys -> transformers keys (the split query/gate rows under temporary names)."""
-    assert isinstance(model, DecoderLM)
-    m = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if model.lm_head is not None:
-        m["lm_head.weight"] = "lm_head.weight"
-    for key in model.state_dict():
-        if not key.startswith("layers."):
-            continue
-        i, rest = key[len("layers.") :].split(".", 1)
-        for ours, theirs in _PARTS.items():
-            if rest == ours or rest.startswith(ours + "."):
-                m[key] = f"model.layers.{i}.{theirs}{rest[len(ours) :]}"
-                break
-    return m
+    return layer_key_map(model, _PARTS, final_norm="norm")
 
 
 def _head_dim(config: DecoderConfig) -> int:
@@ -215,7 +202,7 @@ def _check(c: DecoderConfig) -> tuple[list[str], MoEConfig | None, LinearLayerCo
             "Qwen3-Next has Gated DeltaNet or gated-attention layers, got "
             f"{sorted({s.mixer for s in specs})}"
         )
-    gdns = {s.linear or LinearLayerConfig() for s in specs if s.mixer == "gated_delta_net"}
+    gdns = linear_settings(c, "gated_delta_net")
     moes = {s.moe for s in specs if s.ffn == "moe"}
     if len(gdns) > 1 or len(moes) > 1 or any(s.ffn == "none" for s in specs):
         raise ValueError(
@@ -286,30 +273,18 @@ def qwen3_next_to_hf(model: nn.Module) -> nn.Module:
         norm_topk_prob=moe.norm_topk_prob if moe is not None else True,
         router_aux_loss_coef=moe.router_aux_loss_coef if moe is not None else 0.001,
         layer_types=types,
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
+        **special_tokens_to_hf(c),
     )
     return tf.Qwen3NextForCausalLM(cfg)
 
 
-def _is_qwen3_next(model: Any) -> bool:
-    return claims(
-        model, "qwen3_next", lambda c: any(s.mixer == "gated_delta_net" for s in c.layer_specs)
-    )
-
-
-QWEN3_NEXT = register_converter(
-    Converter(
-        model_type="qwen3_next",
-        hf_classes={"Qwen3NextForCausalLM": ""},
-        attnlab_class=DecoderLM,
-        config_from_hf=qwen3_next_config,
-        build=DecoderLM,
-        key_map=key_map,
-        to_hf_model=qwen3_next_to_hf,
-        weights_from_hf=weights_from_hf,
-        weights_to_hf=weights_to_hf,
-        accepts=_is_qwen3_next,
-    )
+QWEN3_NEXT = hybrid_converter(
+    model_type="qwen3_next",
+    hf_class="Qwen3NextForCausalLM",
+    config_from_hf=qwen3_next_config,
+    key_map=key_map,
+    to_hf_model=qwen3_next_to_hf,
+    mixer="gated_delta_net",
+    weights_from_hf=weights_from_hf,
+    weights_to_hf=weights_to_hf,
 )

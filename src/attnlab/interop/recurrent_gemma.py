@@ -25,8 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnlab.interop.hf import Converter, register_converter, require_transformers
-from attnlab.interop.llama import _first, add_tied_head, claims, drop_tied_head, rope_from_hf
+from attnlab.interop.hf import require_transformers
+from attnlab.interop.hybrid import (
+    hybrid_converter,
+    layer_key_map,
+    linear_settings,
+    special_tokens,
+    special_tokens_to_hf,
+)
+from attnlab.interop.llama import rope_from_hf
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
@@ -80,16 +87,10 @@ def recurrent_gemma_config(cfg: dict[str, Any], weight_names: set[str]) -> Decod
     )
     factor, cfg = _partial_rotary(cfg)
     theta, scaling = rope_from_hf(cfg)
-    vocab = cfg["vocab_size"]
-
-    def token(name: str) -> int | None:
-        t = _first(cfg.get(name))
-        return t if t is not None and 0 <= t < vocab else None
-
     if cfg.get("intermediate_size", 2) % 2:
         raise ValueError(f"intermediate_size must be even, got {cfg['intermediate_size']}")
     return DecoderConfig(
-        vocab_size=vocab,
+        vocab_size=cfg["vocab_size"],
         hidden_size=d,
         num_hidden_layers=n,
         num_attention_heads=heads,
@@ -112,9 +113,7 @@ def recurrent_gemma_config(cfg: dict[str, Any], weight_names: set[str]) -> Decod
         final_logit_softcapping=float(cfg.get("logits_soft_cap", 30.0)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         max_position_embeddings=max(8192, int(cfg.get("attention_window_size", 2048))),
-        pad_token_id=token("pad_token_id"),
-        bos_token_id=token("bos_token_id"),
-        eos_token_id=token("eos_token_id"),
+        **special_tokens(cfg),
         layers=layers,
         model_type="recurrent_gemma",
     )
@@ -122,22 +121,7 @@ def recurrent_gemma_config(cfg: dict[str, Any], weight_names: set[str]) -> Decod
 
 def key_map(model: nn.Module) -> dict[str, str]:
     """attnlab keys -> transformers keys."""
-    assert isinstance(model, DecoderLM)
-    m = {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.final_norm.weight",
-    }
-    if model.lm_head is not None:
-        m["lm_head.weight"] = "lm_head.weight"
-    for key in model.state_dict():
-        if not key.startswith("layers."):
-            continue
-        i, rest = key[len("layers.") :].split(".", 1)
-        for ours, theirs in _PARTS.items():
-            if rest == ours or rest.startswith(ours + "."):
-                m[key] = f"model.layers.{i}.{theirs}{rest[len(ours) :]}"
-                break
-    return m
+    return layer_key_map(model, _PARTS, final_norm="final_norm")
 
 
 def _block_types(c: DecoderConfig) -> list[str]:
@@ -157,7 +141,7 @@ def _check(c: DecoderConfig) -> LinearLayerConfig:
             "RecurrentGemma has RG-LRU or attention layers, each with a dense feed-forward; "
             f"got {[(s.mixer, s.ffn) for s in specs]}"
         )
-    lrus = {s.linear or LinearLayerConfig() for s in specs if s.mixer == "rglru"}
+    lrus = linear_settings(c, "rglru")
     lru = lrus.pop() if len(lrus) == 1 else None
     if lru is None or (lru.num_heads or c.num_attention_heads) != c.num_attention_heads:
         raise ValueError(
@@ -211,30 +195,16 @@ def recurrent_gemma_to_hf(model: nn.Module) -> nn.Module:
         block_types=_block_types(c),
         attention_dropout=c.attention_dropout,
         tie_word_embeddings=c.tie_word_embeddings,
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
+        **special_tokens_to_hf(c),
     )
     return tf.RecurrentGemmaForCausalLM(cfg)
 
 
-def _is_recurrent_gemma(model: Any) -> bool:
-    return claims(
-        model, "recurrent_gemma", lambda c: any(s.mixer == "rglru" for s in c.layer_specs)
-    )
-
-
-RECURRENT_GEMMA = register_converter(
-    Converter(
-        model_type="recurrent_gemma",
-        hf_classes={"RecurrentGemmaForCausalLM": ""},
-        attnlab_class=DecoderLM,
-        config_from_hf=recurrent_gemma_config,
-        build=DecoderLM,
-        key_map=key_map,
-        to_hf_model=recurrent_gemma_to_hf,
-        weights_from_hf=drop_tied_head,
-        weights_to_hf=add_tied_head,
-        accepts=_is_recurrent_gemma,
-    )
+RECURRENT_GEMMA = hybrid_converter(
+    model_type="recurrent_gemma",
+    hf_class="RecurrentGemmaForCausalLM",
+    config_from_hf=recurrent_gemma_config,
+    key_map=key_map,
+    to_hf_model=recurrent_gemma_to_hf,
+    mixer="rglru",
 )

@@ -17,6 +17,8 @@ Parameter names follow transformers' module, so checkpoints map one to one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -117,8 +119,16 @@ class GatedDeltaNet(nn.Module):
         )
         self.in_proj_ba = make_linear(hidden_size, num_v_heads * (2 if decay else 1), bias=False)
         if decay:
-            self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-            self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(1, 16)))
+            # flash-linear-attention's initialisation, which Yang et al. (2025) trained with
+            # (Mamba-2's): A ~ U(0, 16), softplus(dt_bias) log-uniform in [1e-3, 0.1], so
+            # the decays start between exp(-1.6) and 1 per token. (transformers' Qwen3-Next
+            # starts dt_bias at 1, decays of exp(-1.3 A): a state that forgets within a
+            # token or two, which left two-layer models on MQAR at chance; checkpoints
+            # overwrite both.)
+            dt = torch.exp(torch.rand(num_v_heads) * math.log(100.0) + math.log(1e-3))
+            dt = dt.clamp(min=1e-4)
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+            self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0, 16)))
         self.norm = NormGate(head_v_dim, eps=norm_eps)
         self.out_proj = make_linear(self.value_dim, hidden_size, bias=False)
 
