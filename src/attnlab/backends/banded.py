@@ -210,6 +210,31 @@ def _block_major(x: Tensor, before: int, blocks: int, block: int) -> Tensor:
     return x.view(N, H, n, block, E).permute(2, 0, 1, 3, 4).contiguous()  # [n, N, H, b, E]
 
 
+@dataclass(frozen=True)
+class _Blocked:
+    """The inputs of one banded call laid out block-major, read by every group of query
+    blocks: the band's key/value blocks with zero blocks around them, the extra keys, and
+    the positions of both."""
+
+    qb: Tensor  # [nq, N, H, b, E], scaled
+    kb: Tensor  # [before+nk+after, N, H, b, E]
+    vb: Tensor  # [before+nk+after, N, H, b, Ev]
+    q_pos: Tensor  # [P, nq, b]
+    k_pos: Tensor  # [P|1, before+nk+after, b]
+    before: int
+    block: int
+    nk: int
+    keys: int  # S
+    offsets: Tensor  # [W]
+    extra: Tensor  # [X] key indices outside the band
+    kx: Tensor  # [N, H, X, E]
+    vx: Tensor  # [N, H, X, Ev]
+    kx_pos: Tensor  # [P|1, X]
+    n_idx: Tensor  # [1, 1, N, 1, 1, 1]
+    h_idx: Tensor  # [1, 1, 1, H, 1, 1]
+    grad: bool
+
+
 def banded_core(
     q: Tensor,
     k: Tensor,
@@ -234,122 +259,167 @@ def banded_core(
         score_budget: most scores (``N * H * rows * keys``) computed at once.
     """
     assert spec.pattern is not None and spec.dense is None
-    N, H, L, E = q.shape
+    N, H, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[-1]
     dev = q.device
     nq, nk = -(-L // block), -(-S // block)
     lo, hi = min(plan.offsets), max(plan.offsets)
     before = max(0, -lo)  # zero key blocks before block 0 and after block nk - 1
     after = max(0, nq - 1 + hi - (nk - 1))
-    qb = _block_major(q * scale, 0, nq, block)  # [nq, N, H, b, E]
-    kb = _block_major(k, before, nk + after, block)  # [before+nk+after, N, H, b, E]
-    vb = _block_major(v, before, nk + after, block)  # [before+nk+after, N, H, b, Ev]
     P = spec.q_pos.shape[0]
-    q_pos = F.pad(spec.q_pos, (0, nq * block - L)).view(P, nq, block)  # [P, nq, b]
     k_pos = F.pad(spec.k_pos, (before * block, (nk + after) * block - S), value=-1)
-    k_pos = k_pos.view(k_pos.shape[0], -1, block)  # [P|1, before+nk+after, b]
     extra = _extra_keys(plan, spec.pattern, spec.q_pos, spec.k_pos, block)  # [X]
-    X = int(extra.numel())
-    kx = k[:, :, extra]  # [N, H, X, E]
-    vx = v[:, :, extra]  # [N, H, X, Ev]
-    kx_pos = spec.k_pos[:, extra]  # [P|1, X]
-    offsets = torch.tensor(plan.offsets, device=dev)
-    W = len(plan.offsets)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    per_block = N * H * block * (W * block + X)  # scores per query block
-    step = max(1, score_budget // max(1, per_block))
-    n_idx = torch.arange(N, device=dev).view(1, 1, N, 1, 1, 1)
-    h_idx = torch.arange(H, device=dev).view(1, 1, 1, H, 1, 1)
+    band = _Blocked(
+        qb=_block_major(q * scale, 0, nq, block),
+        kb=_block_major(k, before, nk + after, block),
+        vb=_block_major(v, before, nk + after, block),
+        q_pos=F.pad(spec.q_pos, (0, nq * block - L)).view(P, nq, block),
+        k_pos=k_pos.view(k_pos.shape[0], -1, block),
+        before=before,
+        block=block,
+        nk=nk,
+        keys=S,
+        offsets=torch.tensor(plan.offsets, device=dev),
+        extra=extra,
+        kx=k[:, :, extra],
+        vx=v[:, :, extra],
+        kx_pos=spec.k_pos[:, extra],
+        n_idx=torch.arange(N, device=dev).view(1, 1, N, 1, 1, 1),
+        h_idx=torch.arange(H, device=dev).view(1, 1, 1, H, 1, 1),
+        grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+    )
+    per_block = N * H * block * (len(plan.offsets) * block + int(extra.numel()))
+    step = max(1, score_budget // max(1, per_block))  # query blocks per group
     outs: list[Tensor] = []
     lses: list[Tensor] = []
     for g0 in range(0, nq, step):
         g1 = min(nq, g0 + step)
-        g = g1 - g0
-        qg = qb[g0:g1]  # [g, N, H, b, E]
-        q_flat = qg.reshape(g * N * H, block, E)
-        # Band: key blocks g0 + d .. g1 - 1 + d of the padded layout, for every offset d.
-        if grad:
-            s = torch.stack(
-                [
-                    torch.bmm(
-                        q_flat,
-                        kb[before + d + g0 : before + d + g1]
-                        .reshape(g * N * H, block, E)
-                        .transpose(1, 2),
-                    )
-                    for d in plan.offsets
-                ]
-            )
-        else:
-            s = q.new_empty(W, g * N * H, block, block)
-            for j, d in enumerate(plan.offsets):
-                kd = kb[before + d + g0 : before + d + g1].reshape(g * N * H, block, E)
-                torch.bmm(q_flat, kd.transpose(1, 2), out=s[j])
-        s = s.view(W, g, N, H, block, block)  # [W, g, N, H, b, b]
-        blk = offsets[:, None] + torch.arange(g0, g1, device=dev)  # [W, g] key block indices
-        slot = before + blk  # [W, g] in the padded layout
-        qp = q_pos[:, g0:g1]  # [P, g, b]
-        kp = k_pos[:, slot]  # [P|1, W, g, b]
-        rows_p = max(P, kp.shape[0])
-        qp_w = qp.unsqueeze(1).expand(rows_p, W, g, block)  # [P', W, g, b]
-        kp_w = kp.expand(rows_p, W, g, block)  # [P', W, g, b]
-        if spec.score_mods:
-            qi = qp_w.permute(1, 2, 0, 3).unsqueeze(3).unsqueeze(-1)  # [W, g, P', 1, b, 1]
-            ki = kp_w.permute(1, 2, 0, 3).unsqueeze(3).unsqueeze(-2)  # [W, g, P', 1, 1, b]
-            s, _ = apply_score_mods(spec.score_mods, s, n_idx, h_idx, qi, ki)
-        # Offsets whose tiles the pattern attends entirely in this group need no element mask.
-        # (A key block cut by the end of the keys holds padding keys, which are never full.)
-        inside = (blk >= 0) & (blk < S // block)  # [W, g]
-        whole = inside & full[torch.arange(g0, g1)[None, :], blk.clamp(0, nk - 1).cpu()].to(dev)
-        partial = [j for j in range(W) if not bool(whole[j].all())]
-        if partial:
-            sel = torch.tensor(partial, device=dev)
-            allowed = spec.pattern.evaluate(qp_w[:, sel], kp_w[:, sel])  # [P', 1, w, g, b, b]
-            allowed = allowed[:, 0].permute(1, 2, 0, 3, 4).unsqueeze(3)  # [w, g, P', 1, b, b]
-            if grad:
-                keep = torch.ones(W, *allowed.shape[1:], dtype=torch.bool, device=dev)
-                keep[sel] = allowed
-                s = s.masked_fill(~keep, float("-inf"))
-            else:
-                for r, j in enumerate(partial):
-                    s[j].masked_fill_(~allowed[r], -torch.inf)
-        m = s.amax(dim=(0, -1))  # [g, N, H, b]
-        sx: Tensor | None = None
-        if X:
-            sx = torch.matmul(qg, kx.transpose(-1, -2))  # [g, N, H, b, X]
-            rows = qp.reshape(P, g * block)  # [P, g*b]
-            ok = spec.pattern.evaluate(rows.expand(max(P, kx_pos.shape[0]), -1), kx_pos)
-            ok = ok[:, 0].view(-1, g, block, X)  # [P', g, b, X]
-            q_blk = torch.arange(g0, g1, device=dev)  # [g]
-            covered = torch.isin((extra // block)[None, :] - q_blk[:, None], offsets)  # [g, X]
-            ok = (ok & ~covered[None, :, None, :]).permute(1, 0, 2, 3).unsqueeze(2)
-            if spec.score_mods:
-                qi = rows.view(P, g, block).permute(1, 0, 2).reshape(g, P, 1, block, 1)
-                ki = kx_pos.view(1, -1, 1, 1, X)
-                sx, _ = apply_score_mods(spec.score_mods, sx, n_idx[0], h_idx[0], qi, ki)
-            sx = sx.masked_fill(~ok, float("-inf"))  # [g, N, H, b, X]
-            m = torch.maximum(m, sx.amax(dim=-1))
-        m = m.masked_fill(torch.isneginf(m), 0.0).detach()  # [g, N, H, b]
-        e = torch.exp(s - m[None, ..., None]) if grad else s.sub_(m[None, ..., None]).exp_()
-        denom = e.sum(dim=(0, -1))  # [g, N, H, b]
-        out = torch.zeros(g * N * H, block, Ev, dtype=q.dtype, device=dev) if not grad else None
-        parts: list[Tensor] = []
-        e_flat = e.view(W, g * N * H, block, block)
-        for j, d in enumerate(plan.offsets):
-            vd = vb[before + d + g0 : before + d + g1].reshape(g * N * H, block, Ev)
-            if out is not None:
-                out.baddbmm_(e_flat[j], vd)
-            else:
-                parts.append(torch.bmm(e_flat[j], vd))
-        o = (out if out is not None else torch.stack(parts).sum(0)).view(g, N, H, block, Ev)
-        if sx is not None:
-            ex = torch.exp(sx - m[..., None])  # [g, N, H, b, X]
-            denom = denom + ex.sum(dim=-1)
-            o = o + torch.matmul(ex, vx)
-        empty = denom == 0
-        o = o / denom.masked_fill(empty, 1.0)[..., None]  # [g, N, H, b, Ev]
+        s, qp = _band_scores(band, plan, spec, full, g0, g1)
+        sx = _extra_scores(band, spec, qp, g0, g1)
+        o, lse = _weighted_values(band, plan, s, sx, g0)
         outs.append(o)
-        lses.append((m + torch.log(denom)).masked_fill(empty, float("-inf")).detach())
+        lses.append(lse)
     out_all = torch.cat(outs).permute(1, 2, 0, 3, 4).reshape(N, H, nq * block, Ev)[:, :, :L]
     lse = torch.cat(lses).permute(1, 2, 0, 3).reshape(N, H, nq * block)[:, :, :L]
     return out_all, lse
+
+
+def _band_scores(
+    band: _Blocked, plan: BandPlan, spec: MaskSpec, full: Tensor, g0: int, g1: int
+) -> tuple[Tensor, Tensor]:
+    """The masked scores of query blocks ``g0..g1-1`` against their band:
+    ``(s [W, g, N, H, b, b], q positions [P, g, b])``."""
+    assert spec.pattern is not None
+    qb, kb, before, block = band.qb, band.kb, band.before, band.block
+    _, N, H, _, E = qb.shape
+    W = len(plan.offsets)
+    dev = qb.device
+    g = g1 - g0
+    q_flat = qb[g0:g1].reshape(g * N * H, block, E)
+    # Band: key blocks g0 + d .. g1 - 1 + d of the padded layout, for every offset d.
+    if band.grad:
+        s = torch.stack(
+            [
+                torch.bmm(
+                    q_flat,
+                    kb[before + d + g0 : before + d + g1]
+                    .reshape(g * N * H, block, E)
+                    .transpose(1, 2),
+                )
+                for d in plan.offsets
+            ]
+        )
+    else:
+        s = qb.new_empty(W, g * N * H, block, block)
+        for j, d in enumerate(plan.offsets):
+            kd = kb[before + d + g0 : before + d + g1].reshape(g * N * H, block, E)
+            torch.bmm(q_flat, kd.transpose(1, 2), out=s[j])
+    s = s.view(W, g, N, H, block, block)  # [W, g, N, H, b, b]
+    blk = band.offsets[:, None] + torch.arange(g0, g1, device=dev)  # [W, g] key block indices
+    slot = before + blk  # [W, g] in the padded layout
+    qp = band.q_pos[:, g0:g1]  # [P, g, b]
+    kp = band.k_pos[:, slot]  # [P|1, W, g, b]
+    rows_p = max(qp.shape[0], kp.shape[0])
+    qp_w = qp.unsqueeze(1).expand(rows_p, W, g, block)  # [P', W, g, b]
+    kp_w = kp.expand(rows_p, W, g, block)  # [P', W, g, b]
+    if spec.score_mods:
+        qi = qp_w.permute(1, 2, 0, 3).unsqueeze(3).unsqueeze(-1)  # [W, g, P', 1, b, 1]
+        ki = kp_w.permute(1, 2, 0, 3).unsqueeze(3).unsqueeze(-2)  # [W, g, P', 1, 1, b]
+        s, _ = apply_score_mods(spec.score_mods, s, band.n_idx, band.h_idx, qi, ki)
+    # Offsets whose tiles the pattern attends entirely in this group need no element mask.
+    # (A key block cut by the end of the keys holds padding keys, which are never full.)
+    nk = band.nk
+    inside = (blk >= 0) & (blk < band.keys // block)  # [W, g]
+    whole = inside & full[torch.arange(g0, g1)[None, :], blk.clamp(0, nk - 1).cpu()].to(dev)
+    partial = [j for j in range(W) if not bool(whole[j].all())]
+    if partial:
+        sel = torch.tensor(partial, device=dev)
+        allowed = spec.pattern.evaluate(qp_w[:, sel], kp_w[:, sel])  # [P', 1, w, g, b, b]
+        allowed = allowed[:, 0].permute(1, 2, 0, 3, 4).unsqueeze(3)  # [w, g, P', 1, b, b]
+        if band.grad:
+            keep = torch.ones(W, *allowed.shape[1:], dtype=torch.bool, device=dev)
+            keep[sel] = allowed
+            s = s.masked_fill(~keep, float("-inf"))
+        else:
+            for r, j in enumerate(partial):
+                s[j].masked_fill_(~allowed[r], -torch.inf)
+    return s, qp
+
+
+def _extra_scores(band: _Blocked, spec: MaskSpec, qp: Tensor, g0: int, g1: int) -> Tensor | None:
+    """The masked scores of query blocks ``g0..g1-1`` against the extra keys,
+    ``[g, N, H, b, X]`` (a pair the band covers masked out), or None without extra keys."""
+    assert spec.pattern is not None
+    X = int(band.extra.numel())
+    if not X:
+        return None
+    block, kx_pos = band.block, band.kx_pos
+    g, P = g1 - g0, qp.shape[0]
+    dev = qp.device
+    sx = torch.matmul(band.qb[g0:g1], band.kx.transpose(-1, -2))  # [g, N, H, b, X]
+    rows = qp.reshape(P, g * block)  # [P, g*b]
+    ok = spec.pattern.evaluate(rows.expand(max(P, kx_pos.shape[0]), -1), kx_pos)
+    ok = ok[:, 0].view(-1, g, block, X)  # [P', g, b, X]
+    q_blk = torch.arange(g0, g1, device=dev)  # [g]
+    covered = torch.isin((band.extra // block)[None, :] - q_blk[:, None], band.offsets)  # [g, X]
+    ok = (ok & ~covered[None, :, None, :]).permute(1, 0, 2, 3).unsqueeze(2)
+    if spec.score_mods:
+        qi = rows.view(P, g, block).permute(1, 0, 2).reshape(g, P, 1, block, 1)
+        ki = kx_pos.view(1, -1, 1, 1, X)
+        sx, _ = apply_score_mods(spec.score_mods, sx, band.n_idx[0], band.h_idx[0], qi, ki)
+    return sx.masked_fill(~ok, float("-inf"))  # [g, N, H, b, X]
+
+
+def _weighted_values(
+    band: _Blocked, plan: BandPlan, s: Tensor, sx: Tensor | None, g0: int
+) -> tuple[Tensor, Tensor]:
+    """One safe softmax over the band's and the extra keys' scores of the query blocks
+    from ``g0``, times their values: ``(out [g, N, H, b, Ev], lse [g, N, H, b])``."""
+    W, g, N, H, block = s.shape[:5]
+    vb, before, grad = band.vb, band.before, band.grad
+    Ev = vb.shape[-1]
+    m = s.amax(dim=(0, -1))  # [g, N, H, b]
+    if sx is not None:
+        m = torch.maximum(m, sx.amax(dim=-1))
+    m = m.masked_fill(torch.isneginf(m), 0.0).detach()  # [g, N, H, b]
+    e = torch.exp(s - m[None, ..., None]) if grad else s.sub_(m[None, ..., None]).exp_()
+    denom = e.sum(dim=(0, -1))  # [g, N, H, b]
+    dtype, dev = band.qb.dtype, band.qb.device
+    out = torch.zeros(g * N * H, block, Ev, dtype=dtype, device=dev) if not grad else None
+    parts: list[Tensor] = []
+    e_flat = e.view(W, g * N * H, block, block)
+    for j, d in enumerate(plan.offsets):
+        vd = vb[before + d + g0 : before + d + g0 + g].reshape(g * N * H, block, Ev)
+        if out is not None:
+            out.baddbmm_(e_flat[j], vd)
+        else:
+            parts.append(torch.bmm(e_flat[j], vd))
+    o = (out if out is not None else torch.stack(parts).sum(0)).view(g, N, H, block, Ev)
+    if sx is not None:
+        ex = torch.exp(sx - m[..., None])  # [g, N, H, b, X]
+        denom = denom + ex.sum(dim=-1)
+        o = o + torch.matmul(ex, band.vx)
+    empty = denom == 0
+    o = o / denom.masked_fill(empty, 1.0)[..., None]  # [g, N, H, b, Ev]
+    lse = (m + torch.log(denom)).masked_fill(empty, float("-inf")).detach()
+    return o, lse

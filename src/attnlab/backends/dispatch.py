@@ -275,6 +275,8 @@ def _attend_flat(
         qp = q_pos.index_select(0, g.spread).view(n_g, g.width)  # [n_g, W_g]
         if kv.block_table is not None:
             key, value, kp, table = kv.key, kv.value, None, g.blocks
+        elif g.rows == tuple(range(kv.key.shape[0])):  # every sequence (a decode step)
+            key, value, kp, table = kv.key, kv.value, kv.k_positions, None
         else:
             rows = torch.tensor(g.rows, dtype=torch.long, device=query.device)
             key, value = kv.key.index_select(0, rows), kv.value.index_select(0, rows)

@@ -18,6 +18,7 @@ metadata, in attnlab's terms).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -287,6 +288,8 @@ class AttentionPlan:
         write_slots: long ``[N]`` pool slot of each new token of a paged step, or None.
         state_slots: each sequence's recurrent-state slot in a serving step (recurrent
             layers), or None.
+        carry: what a layer hands to later layers of the same forward (RWKV-7's first
+            layer's values, ``models/linear_mixers.py``); empty at the start of a forward.
     """
 
     call: AttentionCall
@@ -301,6 +304,7 @@ class AttentionPlan:
     blocks: BlockTable | None = field(default=None, repr=False)
     write_slots: Tensor | None = field(default=None, repr=False)
     state_slots: Tensor | None = field(default=None, repr=False)
+    carry: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def need_weights(self) -> bool:

@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from attnlab.backends.precision import native_bf16
+
 __all__ = [
     "KERNELS",
     "LinearChoice",
@@ -65,16 +67,6 @@ class QuantWeights(Protocol):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor: ...
 
     def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]: ...
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX via oneDNN)."""
-    try:
-        return bool(
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
-        return False
 
 
 def compute_dtype(x_dtype: torch.dtype, policy: str) -> tuple[torch.dtype, str]:

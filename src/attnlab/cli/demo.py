@@ -80,14 +80,9 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     steps = (4 if args.no_compare else 5) + (0 if getattr(args, "no_decoder", False) else 1)
     progress = Progress(steps, quiet=not getattr(args, "json", False))
     progress.step("loading all-MiniLM-L6-v2")
-    import torch
-
     import attnlab
-    from attnlab.analysis.attention_stats import diagonal_share, summarize_heads
-    from attnlab.functional import sdpa_reference
     from attnlab.interop.hf import require_transformers
     from attnlab.interop.pretrained import minilm_path
-    from attnlab.viz.heatmap import heads_grid_figure, heatmap_figure, save_png
 
     start = time.perf_counter()
     out = Path(args.out)
@@ -110,6 +105,36 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     _rule("1. Tokens")
     print(f"text: {text!r}")
     print(f"{n} tokens (with [CLS] and [SEP]): {tokens}")
+    _simple_section(model, batch, tokens, out)
+    summary["tokens"] = tokens
+    progress.step("running the model, drawing the heads")
+    attentions, ours = _model_section(model, batch, tokens, out)
+    if not args.no_compare:
+        progress.step("comparing with transformers")
+        _compare_section(tf, path, model, batch, ours, summary)
+    _sentence_section(model, path, text, out, compare=not args.no_compare, summary=summary)
+
+    decoder_entries: list[Any] = []
+    if not getattr(args, "no_decoder", False):
+        from attnlab.cli.demo_decoder import decoder_section
+
+        progress.step("the decoder: SmolLM2-135M-Instruct")
+        decoder_entries = decoder_section(out, summary, number=6)
+
+    progress.step("writing the explorer and the cost table")
+    _explore_section(out, attentions, tokens, text, decoder_entries, summary)
+    print(f"\ndone in {time.perf_counter() - start:.1f} s")
+    progress.step("done")
+    return 0
+
+
+def _simple_section(model: Any, batch: Any, tokens: list[str], out: Path) -> None:
+    """2. Self-attention with no projections, ``Q = K = V = X``: each token sees itself."""
+    import torch
+
+    from attnlab.analysis.attention_stats import diagonal_share
+    from attnlab.functional import sdpa_reference
+    from attnlab.viz.heatmap import heatmap_figure, save_png
 
     _rule("2. The simplest self-attention: Q = K = V = X")
     print("X = the model's input embeddings (token + position + type, then LayerNorm)")
@@ -134,8 +159,18 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
         out / "simple_attention.png",
     )
 
-    summary["tokens"] = tokens
-    progress.step("running the model, drawing the heads")
+
+def _model_section(model: Any, batch: Any, tokens: list[str], out: Path) -> tuple[Any, Any]:
+    """3. The real model's heads: where each query looks, one grid per layer.
+
+    Returns:
+        ``(attentions, output)`` of the forward with ``output_attentions=True``.
+    """
+    import torch
+
+    from attnlab.analysis.attention_stats import summarize_heads
+    from attnlab.viz.heatmap import heads_grid_figure, heatmap_figure, save_png
+
     _rule("3. The real model: all-MiniLM-L6-v2 in attnlab")
     cfg = model.config
     print(
@@ -167,48 +202,50 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
         "\nEarly layers spread attention or look at neighbours; many later heads send most "
         "weight to\n[CLS] or [SEP], a known 'attention sink' pattern (Clark et al., 2019)."
     )
+    return ours.attentions, ours
 
-    if not args.no_compare:
-        progress.step("comparing with transformers")
-        _rule("4. attnlab vs transformers on the same weights")
-        hf = tf.BertModel.from_pretrained(path, attn_implementation="eager").eval()
-        with torch.no_grad():
-            theirs = hf(**batch, output_attentions=True)
-            fast = model(**batch)  # the default backend, no weights requested
-        diff = (ours.last_hidden_state - theirs.last_hidden_state).abs().max().item()
-        diff_fast = (fast.last_hidden_state - theirs.last_hidden_state).abs().max().item()
-        diff_att = max(
-            (a - b).abs().max().item() for a, b in zip(ours.attentions, theirs.attentions)
-        )
-        print(
-            f"transformers BertModel (eager), {sum(p.numel() for p in hf.parameters()):,} parameters"
-        )
-        print(f"max |difference| of last_hidden_state, reference backend: {diff:.2e}")
-        print(f"max |difference| of last_hidden_state, default backend:   {diff_fast:.2e}")
-        print(f"max |difference| of attention weights, all layers:         {diff_att:.2e}")
-        summary["max_abs_difference"] = {
-            "last_hidden_state_reference": diff,
-            "last_hidden_state_default": diff_fast,
-            "attentions": diff_att,
-        }
 
-    _sentence_section(model, path, text, out, compare=not args.no_compare, summary=summary)
+def _compare_section(
+    tf: Any, path: Path, model: Any, batch: Any, ours: Any, summary: dict[str, Any]
+) -> None:
+    """4. attnlab against transformers' eager BERT on the same weights."""
+    import torch
 
-    decoder_entries: list[Any] = []
-    if not getattr(args, "no_decoder", False):
-        from attnlab.cli.demo_decoder import decoder_section
+    _rule("4. attnlab vs transformers on the same weights")
+    hf = tf.BertModel.from_pretrained(path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(**batch, output_attentions=True)
+        fast = model(**batch)  # the default backend, no weights requested
+    diff = (ours.last_hidden_state - theirs.last_hidden_state).abs().max().item()
+    diff_fast = (fast.last_hidden_state - theirs.last_hidden_state).abs().max().item()
+    diff_att = max((a - b).abs().max().item() for a, b in zip(ours.attentions, theirs.attentions))
+    print(f"transformers BertModel (eager), {sum(p.numel() for p in hf.parameters()):,} parameters")
+    print(f"max |difference| of last_hidden_state, reference backend: {diff:.2e}")
+    print(f"max |difference| of last_hidden_state, default backend:   {diff_fast:.2e}")
+    print(f"max |difference| of attention weights, all layers:         {diff_att:.2e}")
+    summary["max_abs_difference"] = {
+        "last_hidden_state_reference": diff,
+        "last_hidden_state_default": diff_fast,
+        "attentions": diff_att,
+    }
 
-        progress.step("the decoder: SmolLM2-135M-Instruct")
-        decoder_entries = decoder_section(out, summary, number=6)
 
-    progress.step("writing the explorer and the cost table")
-    _rule("7. Explore it yourself")
+def _explore_section(
+    out: Path,
+    attentions: Any,
+    tokens: list[str],
+    text: str,
+    decoder_entries: list[Any],
+    summary: dict[str, Any],
+) -> None:
+    """7. The explorer, 8. the cost table, then the index page and the list of files."""
     from attnlab.viz.explorer import write_explorer
     from attnlab.viz.report import IndexEntry, write_index
 
+    _rule("7. Explore it yourself")
     explorer = write_explorer(
         out / "explorer.html",
-        [w[0] for w in ours.attentions],
+        [w[0] for w in attentions],
         tokens,
         title="all-MiniLM-L6-v2: attention",
         subtitle=text,
@@ -225,7 +262,7 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
         IndexEntry("simple_attention.png", "Q = K = V: weights near the identity"),
         *[
             IndexEntry(f"layer{i}_heads.png", f"Layer {i}: every head")
-            for i in range(len(ours.attentions))
+            for i in range(len(attentions))
         ],
         IndexEntry("last_layer_mean.png", "Last layer, mean over heads"),
         IndexEntry("similarity.png", "Sentence embeddings: cosine similarity"),
@@ -244,12 +281,9 @@ def _run(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     print(f"  {index}  (start here)")
     for p in sorted([*out.glob("*.png"), *out.glob("*explorer.html")]):
         print(f"  {p}")
-    print(f"\ndone in {time.perf_counter() - start:.1f} s")
     summary["index"] = str(index)
     summary["files"] = [str(p) for p in sorted(out.iterdir())]
     summary["cost_table"] = cost_text
-    progress.step("done")
-    return 0
 
 
 def _sentence_section(

@@ -203,10 +203,15 @@ def delta_rule_chunked(
     k_dec = kc * (gc[..., -1:] - gc).exp()[..., None]  # writes decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [B, H, nc, 1, 1]
     s = state if state is not None else q.new_zeros((b, h, dk, dv))
-    out = []
-    for c in range(nc):
-        u = w_v[:, :, c] - w_k[:, :, c] @ s  # [B, H, T, V]
-        out.append(q_dec[:, :, c] @ s + scores[:, :, c] @ u)
-        s = chunk_decay[:, :, c] * s + k_dec[:, :, c].transpose(-1, -2) @ u
-    o = torch.stack(out, dim=2).reshape(b, h, nc * T, dv)[:, :, :l]
-    return o, s
+    # only the state's carry runs chunk by chunk; the chunks are unbound once (indexing
+    # x[:, :, c] in the loop would cost a full-size zero gradient per chunk in backward)
+    starts, us = [], []
+    for w_vc, w_kc, dc, k_c in zip(
+        w_v.unbind(2), w_k.unbind(2), chunk_decay.unbind(2), k_dec.transpose(-1, -2).unbind(2)
+    ):
+        starts.append(s)
+        u = w_vc - w_kc @ s  # [B, H, T, V]
+        us.append(u)
+        s = dc * s + k_c @ u
+    o = q_dec @ torch.stack(starts, dim=2) + scores @ torch.stack(us, dim=2)
+    return o.reshape(b, h, nc * T, dv)[:, :, :l], s

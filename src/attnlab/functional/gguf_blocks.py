@@ -12,7 +12,8 @@ centres them: Q4_0 ``-8..7``, Q6_K ``-32..31``; unsigned where a minimum is stor
 Q4_1 ``0..15``), ``scales``/``mins`` float32 ``[G]`` computed exactly as ggml does
 (``d * sc`` in float32 for the K-quants), and groups in the tensor's element order (a row
 of ``K`` elements is ``K / group_size`` consecutive groups). :func:`dequantize` is
-``scales * quants + mins`` reshaped. Every step is a whole-tensor torch operation: no
+``scales * quants + mins`` reshaped; :func:`join_blocks` is the inverse for the
+formats attnlab writes (Q8_0, Q4_0, Q4_1). Every step is a whole-tensor torch operation: no
 Python loop over blocks.
 
 Shape notation: ``N`` blocks, ``G`` groups, ``E`` elements per group.
@@ -36,6 +37,7 @@ __all__ = [
     "block_layout",
     "dequantize",
     "ggml_type",
+    "join_blocks",
     "split_blocks",
     "tensor_nbytes",
 ]
@@ -383,3 +385,58 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+# ------------------------------------------------------------------------------- packing
+
+
+def _f16_bytes(values: Tensor) -> Tensor:
+    """float32 ``[N]`` rounded to float16 (as ggml stores ``d`` and ``m``): ``[N, 2]`` uint8."""
+    return values.to(torch.float16).contiguous().reshape(-1, 1).view(torch.uint8)
+
+
+def _nibble_bytes(levels: Tensor) -> Tensor:
+    """``[N, 32]`` levels in ``0..15`` -> ggml's ``[N, 16]`` bytes: element ``j`` in the low
+    nibble of byte ``j``, element ``j + 16`` in its high nibble."""
+    lv = levels.to(torch.uint8)
+    return lv[:, :16] | (lv[:, 16:] << 4)
+
+
+def join_blocks(
+    kind: int | str | GGMLType, quants: Tensor, scales: Tensor, mins: Tensor | None = None
+) -> Tensor:
+    """The bytes of ``[G, 32]`` levels with per-group ``scales`` (and ``mins``) ``[G]``.
+
+    The inverse of :func:`split_blocks` for Q8_0 (``quants`` in ``-127..127``), Q4_0
+    (``quants`` in ``-8..7``) and Q4_1 (``quants`` in ``0..15``, ``mins`` given). Scales
+    and minimums are stored in float16, as ggml stores them: exact for values read from
+    such a file, rounded (as llama.cpp's quantizers round) otherwise.
+
+    Returns:
+        ``[G * type_size]`` uint8, the tensor's data in element order.
+
+    Raises:
+        ValueError: another type, groups that are not 32 wide, levels out of range, or
+            ``mins`` given (or missing) against the format.
+    """
+    t = ggml_type(kind)
+    if t not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
+        raise ValueError(f"join_blocks writes Q8_0, Q4_0 or Q4_1, got {t.name}")
+    if quants.dim() != 2 or quants.shape[1] != 32:
+        raise ValueError(f"quants must be [groups, 32], got {tuple(quants.shape)}")
+    g = quants.shape[0]
+    if (mins is not None) != (t == GGMLType.Q4_1):
+        raise ValueError(f"{t.name} {'stores' if t == GGMLType.Q4_1 else 'has no'} minimums")
+    lo, hi = {GGMLType.Q8_0: (-127, 127), GGMLType.Q4_0: (-8, 7), GGMLType.Q4_1: (0, 15)}[t]
+    q = quants.to(torch.int16)
+    if g and (int(q.min()) < lo or int(q.max()) > hi):
+        raise ValueError(f"{t.name} levels lie in {lo}..{hi}, got {int(q.min())}..{int(q.max())}")
+    parts = [_f16_bytes(scales.reshape(g))]
+    if t == GGMLType.Q8_0:
+        parts.append(q.to(torch.int8).view(torch.uint8))
+    elif t == GGMLType.Q4_0:
+        parts.append(_nibble_bytes(q + 8))
+    else:
+        assert mins is not None
+        parts += [_f16_bytes(mins.reshape(g)), _nibble_bytes(q)]
+    return torch.cat(parts, dim=1).reshape(-1)  # [G, type_size] -> flat

@@ -200,9 +200,9 @@ def gla_chunked(
     writes = k_dec.transpose(-1, -2) @ vc  # [B, H, nc, K, V]
     s = state if state is not None else q.new_zeros((b, h, dk, dv))
     starts = []
-    for c in range(nc):
-        starts.append(s)
-        s = chunk_decay[:, :, c] * s + writes[:, :, c]
+    for dc, wr in zip(chunk_decay.unbind(2), writes.unbind(2)):  # unbound once: no
+        starts.append(s)  # full-size zero gradient per chunk in backward
+        s = dc * s + wr
     cross = q_dec @ torch.stack(starts, dim=2)  # [B, H, nc, T, V]
     o = (inner + cross).reshape(b, h, nc * T, dv)[:, :, :l]
     return o, s

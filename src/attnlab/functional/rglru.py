@@ -166,8 +166,8 @@ def linear_recurrence_scan(
     # X: the recurrence inside each chunk from zero; A: the product of a since its start
     h = state if state is not None else u.new_zeros((b, d))
     carries = []
-    for c in range(nc):
+    for a_c, x_c in zip(A[:, :, -1].unbind(1), X[:, :, -1].unbind(1)):  # unbound once
         carries.append(h)
-        h = A[:, c, -1] * h + X[:, c, -1]
+        h = a_c * h + x_c
     hs = X + A * torch.stack(carries, dim=1)[:, :, None]
     return hs.reshape(b, nc * T, d)[:, :l], h

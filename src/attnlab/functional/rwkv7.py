@@ -180,10 +180,19 @@ def rwkv7_chunked(
     kv = qk @ vc  # [B, H, nc, T, V]
     writes = k_dec.transpose(-1, -2) @ vc  # [B, H, nc, K, V]
     s = state if state is not None else q.new_zeros((bs, h, dk, dv))
-    out = []
-    for c in range(nc):
-        u = w_v[:, :, c] + w_s[:, :, c] @ s  # [B, H, T, V]
-        out.append(q_dec[:, :, c] @ s + kv[:, :, c] + qb[:, :, c] @ u)
-        s = chunk_decay[:, :, c] * s + writes[:, :, c] + b_dec[:, :, c].transpose(-1, -2) @ u
-    o = torch.stack(out, dim=2).reshape(bs, h, nc * T, dv)[:, :, :l]
-    return o, s
+    # only the state's carry runs chunk by chunk, over chunks unbound once (indexing
+    # x[:, :, c] in the loop would cost a full-size zero gradient per chunk in backward)
+    starts, us = [], []
+    for w_vc, w_sc, dc, wr, b_c in zip(
+        w_v.unbind(2),
+        w_s.unbind(2),
+        chunk_decay.unbind(2),
+        writes.unbind(2),
+        b_dec.transpose(-1, -2).unbind(2),
+    ):
+        starts.append(s)
+        u = w_vc + w_sc @ s  # [B, H, T, V]
+        us.append(u)
+        s = dc * s + wr + b_c @ u
+    o = q_dec @ torch.stack(starts, dim=2) + kv + qb @ torch.stack(us, dim=2)
+    return o.reshape(bs, h, nc * T, dv)[:, :, :l], s

@@ -4,79 +4,41 @@ Shape notation: ``B`` batch, ``P`` prompt length (padding included), ``N`` new t
 
 The loop runs the prompt once through the model's forward, then one token per step
 through the model's own :meth:`~attnlab.models.decoder.DecoderLM.decode_step`: eagerly
-over a growing cache, or, with ``compile=True``, compiled once by ``torch.compile``
-over a :class:`~attnlab.cache.StaticKVCache` (fixed shapes, the slot as a tensor, no
-graph break; gpt-fast's recipe, with no second copy of the forward). It follows
-transformers' ``generate``: positions of a left-padded row start at its first real
-token, a finished row (one that produced an EOS token) continues with the pad token,
-and generation stops when every row has finished or after ``max_new_tokens``.
+over a growing cache, or compiled by ``torch.compile`` over a
+:class:`~attnlab.cache.StaticKVCache` (:mod:`attnlab.generation.compiled`: by default
+when it is possible and the run is long enough to pay for the compile; ``compile=False``
+opts out). It follows transformers' ``generate``: positions of a left-padded row start
+at its first real token, a finished row (one that produced an EOS token) continues with
+the pad token, and generation stops when every row has finished or after
+``max_new_tokens``.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional._checks import check_binary_mask, check_int, check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
+from attnlab.generation.compiled import compile_decision, compiled_decode_step, static_cache
+from attnlab.generation.inputs import (
+    check_cache_room,
+    check_fresh_cache,
+    check_inputs,
+    check_token_id,
+    eos_tensor,
+    quantized_cache,
+)
 from attnlab.generation.streaming import is_sink_cache, prefill_sink_cache
 
 __all__ = ["generate", "stream"]
 
-#: Static caches of compiled generation hold a multiple of this many slots.
-STATIC_BUCKET = 128
-
-
-def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
-    if eos_token_id is None:
-        return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
-def _check_inputs(
-    model: nn.Module, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None
-) -> None:
-    check_tensor("input_ids", input_ids)
-    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty integer (batch, prompt_len) tensor, got "
-            f"{input_ids.dtype} {tuple(input_ids.shape)}"
-        )
-    check_int("max_new_tokens", max_new_tokens, min_value=0)
-    if attention_mask is not None:
-        check_binary_mask("attention_mask", attention_mask)
-        if attention_mask.shape[0] != input_ids.shape[0]:
-            raise ValueError(
-                f"batch sizes differ: input_ids has {input_ids.shape[0]} rows, attention_mask "
-                f"has {attention_mask.shape[0]}"
-            )
-        if tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
-                f"{tuple(attention_mask.shape)}"
-            )
-    config = model.config
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and not getattr(model, "is_encoder_decoder", False):
-        p = input_ids.shape[1]
-        if p > limit:
-            raise ValueError(
-                f"the prompt has {p} tokens, longer than the model's maximum positions "
-                f"(max_position_embeddings={limit})"
-            )
-        if getattr(config, "position_embedding", None) in ("learned", "sinusoidal") and (
-            p + max_new_tokens > limit
-        ):
-            raise ValueError(
-                f"prompt ({p}) + max_new_tokens ({max_new_tokens}) = {p + max_new_tokens} exceeds "
-                f"the model's learned positions (max_position_embeddings={limit})"
-            )
+logger = logging.getLogger("attnlab.generation")
 
 
 @torch.no_grad()
@@ -94,7 +56,7 @@ def stream(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
-    compile: bool = False,
+    compile: bool | None = None,
     kv_dtype: str | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]`` long, as soon as it is chosen.
@@ -103,23 +65,22 @@ def stream(
     """
 
     check_sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    _check_inputs(model, input_ids, max_new_tokens, attention_mask)
+    check_inputs(model, input_ids, max_new_tokens, attention_mask)
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"compile must be True, False or None (auto), got {compile!r}")
     if max_new_tokens == 0:
         return
     config: Any = model.config
-    device = input_ids.device
-    b, p = input_ids.shape
-    eos = _eos_tensor(eos_token_id, device)
+    eos = eos_tensor(eos_token_id, input_ids.device)
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
-    _check_token_id("pad_token_id", pad_token_id, config.vocab_size)
-
+    check_token_id("pad_token_id", pad_token_id, config.vocab_size)
     steps = itertools.count()
 
     def choose(logits: Tensor) -> Tensor:
-        return next_token(
+        tok = next_token(
             logits[:, -1],
             do_sample=do_sample,
             temperature=temperature,
@@ -128,272 +89,156 @@ def stream(
             generator=generator,
             step=next(steps),
         )
+        return tok if eos is None else tok.masked_fill(finished, pad_token_id)
 
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     if getattr(model, "is_encoder_decoder", False):
-        yield from _stream_seq2seq(
-            model, input_ids, max_new_tokens, attention_mask, choose, eos, pad_token_id, cache
-        )
-        return
+        from attnlab.generation.seq2seq import stream_seq2seq
 
-    needed = p + max_new_tokens
-    if kv_dtype is not None:
-        cache = _quantized_cache(model, kv_dtype, cache, compile, needed)
-    elif compile:
-        cache = _static_cache(model, cache, b, needed)
-    elif cache is None:
-        cache = model.new_cache(max_length=needed)  # type: ignore[operator]
+        tokens = stream_seq2seq(model, input_ids, max_new_tokens, attention_mask, choose, cache)
     else:
-        _check_fresh_cache(cache)
-        _check_cache_room(cache, needed)
-    full_mask: Tensor | None = None
-    next_pos: Tensor | None = None
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        # Over every slot of a static cache when compiling: one shape for every step.
-        slots = cache.layers[0].max_length if compile else needed
-        full_mask = torch.ones(b, slots, dtype=torch.long, device=device)
-        full_mask[:, :p] = attention_mask
-        next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
-    finished = torch.zeros(b, dtype=torch.bool, device=device)
-    if is_sink_cache(cache):  # a stream past the context: fixed-size cache, prompt in chunks
-        if compile or full_mask is not None:
+        decision = compile_decision(
+            model, max_new_tokens, compile=compile, cache=cache, kv_dtype=kv_dtype,
+            eos_token_id=eos_token_id, batch_size=input_ids.shape[0],
+            prompt_length=input_ids.shape[1],
+        )  # fmt: skip
+        steps_of = _DecoderSteps(
+            model, input_ids, max_new_tokens, attention_mask, cache,
+            compiled=decision.compile, auto=compile is None, kv_dtype=kv_dtype,
+        )  # fmt: skip
+        tokens = steps_of.run(choose)
+    for tok in tokens:
+        yield tok
+        if eos is not None:
+            finished |= torch.isin(tok, eos)
+            if bool(finished.all()):
+                return
+
+
+class _DecoderSteps:
+    """One decoder-only generation: its cache, padding, and the step that runs each token."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        attention_mask: Tensor | None,
+        cache: Any,
+        *,
+        compiled: bool,
+        auto: bool,
+        kv_dtype: str | None,
+    ) -> None:
+        b, p = input_ids.shape
+        self.model, self.input_ids, self.new = model, input_ids, max_new_tokens
+        self.compiled, self.auto = compiled, auto
+        needed = p + max_new_tokens
+        if kv_dtype is not None:
+            cache = quantized_cache(model, kv_dtype, cache, compiled, needed)
+        elif compiled:
+            cache = static_cache(model, cache, b, needed)
+        elif cache is None:
+            cache = model.new_cache(max_length=needed)  # type: ignore[operator]
+        else:
+            check_fresh_cache(cache)
+            check_cache_room(cache, needed)
+        self.cache = cache
+        self.full_mask: Tensor | None = None
+        self.next_pos: Tensor | None = None
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            # Over every slot of a static cache when compiling: one shape for every step.
+            slots = cache.layers[0].max_length if compiled else needed
+            self.full_mask = torch.ones(b, slots, dtype=torch.long, device=input_ids.device)
+            self.full_mask[:, :p] = attention_mask
+            self.next_pos = positions_from_mask(attention_mask)[:, -1:] + 1  # [B, 1]
+        if is_sink_cache(cache) and (compiled or self.full_mask is not None):
             raise ValueError(
                 "a sink cache decodes eagerly and unpadded (its rows share one layout): "
                 "pass compile=False and no padded attention_mask"
             )
-        logits = prefill_sink_cache(model, input_ids, cache)
-    else:
-        logits = model(
-            input_ids,
-            attention_mask=full_mask[:, :p] if full_mask is not None else None,
-            past_key_values=cache,
+        # models without a trusted decode step (recurrent) run their forward
+        self.step_fn: Any = (
+            compiled_decode_step(model) if compiled else getattr(model, "decode_step", None)
+        )
+        self.backend: str | None = None
+        # LongRoPE switches its frequencies once the sequence passes its original length:
+        # at that slot the whole sequence is encoded again (as transformers' Phi-3 does)
+        self.again_at = getattr(model, "prefill_again_at", None)
+        self.tokens = (
+            [input_ids] if self.again_at is not None and p <= self.again_at < needed else None
+        )
+
+    def _mask_to(self, length: int) -> Tensor | None:
+        return self.full_mask[:, :length] if self.full_mask is not None else None
+
+    def _forward(self, ids: Tensor, length: int, position_ids: Tensor | None = None) -> Tensor:
+        return self.model(
+            ids,
+            attention_mask=self._mask_to(length),
+            position_ids=position_ids,
+            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits
-    # models without a trusted decode step (recurrent, encoder-decoder) run their forward
-    step_fn: Any = compiled_decode_step(model) if compile else getattr(model, "decode_step", None)
-    backend: str | None = None
-    # LongRoPE switches its frequencies once the sequence passes its original length: at
-    # that slot the whole sequence is encoded again (as transformers' Phi-3 does)
-    again_at = getattr(model, "prefill_again_at", None)
-    tokens = [input_ids] if again_at is not None and p <= again_at < needed else None
-    for step in range(max_new_tokens):
-        tok = choose(logits)
-        if eos is not None:
-            tok = tok.masked_fill(finished, pad_token_id)
-        if tokens is not None:
-            tokens.append(tok[:, None])
-        yield tok
-        if eos is not None:
-            finished |= torch.isin(tok, eos)
-            if bool(finished.all()):
-                return
-        if step + 1 == max_new_tokens:
-            return
-        slot = p + step
-        if tokens is not None and slot == again_at:
-            cache.reset()
-            logits = model(
-                torch.cat(tokens, dim=1),
-                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits
-            tokens = None
-        elif compile:  # the slot as a tensor and the whole mask: the same graph every step
-            start = torch.tensor(slot, device=device)
-            if backend is None:  # asked once, eagerly: the registry's context is not traced
-                backend = model.decode_backend(  # type: ignore[operator]
-                    tok[:, None], cache=cache, start=start, attention_mask=full_mask
-                )
-            logits = step_fn(
-                tok[:, None],
-                cache=cache,
-                start=start,
-                position_ids=next_pos,
-                attention_mask=full_mask,
-                backend=backend,
-            )
-            cache.set_length(slot + 1)
-        elif step_fn is not None:
-            logits = step_fn(
-                tok[:, None],
-                cache=cache,
-                start=slot,
-                position_ids=next_pos,
-                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
-            )
+
+    def run(self, choose: Any) -> Iterator[Tensor]:
+        p = self.input_ids.shape[1]
+        if is_sink_cache(self.cache):  # past the context: fixed-size cache, prompt in chunks
+            logits = prefill_sink_cache(self.model, self.input_ids, self.cache)
         else:
-            logits = model(
-                tok[:, None],
-                attention_mask=full_mask[:, : slot + 1] if full_mask is not None else None,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits
-        if next_pos is not None:
-            next_pos = next_pos + 1
-
-
-#: Decode-step graphs one process may compile (one per model, batch size and cache-length
-#: bucket). dynamo's own limit (8) counts every graph of ``DecoderLM.decode_step``'s code
-#: object, whichever model it belongs to, and ``fullgraph=True`` turns reaching it into a
-#: crash on the ninth model or shape.
-COMPILED_STEP_GRAPHS = 64
-
-
-def compiled_decode_step(model: nn.Module) -> Any:
-    """``torch.compile`` of ``model.decode_step``, made once per model and kept on it.
-
-    The step has fixed shapes over a static cache and takes its slot as a tensor, so one
-    graph serves every step of every generation with the same batch size and cache
-    length (``dynamic=False``; ``fullgraph=True`` fails loudly on a graph break
-    rather than running part of the step eagerly). Up to :data:`COMPILED_STEP_GRAPHS`
-    graphs are kept per process; past that, a clear ``RuntimeError``.
-    """
-    step = getattr(model, "_compiled_decode_step", None)
-    if step is None:
-        decode_step: Any = model.decode_step
-        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_GRAPHS):
-                try:
-                    return compiled(*args, **kwargs)
-                except torch._dynamo.exc.FailOnRecompileLimitHit as err:
-                    raise RuntimeError(
-                        f"generate(compile=True) has compiled {COMPILED_STEP_GRAPHS} decode-step "
-                        "graphs in this process (one per model, batch size and cache length); "
-                        "use compile=False, or fewer distinct shapes"
-                    ) from err
-
-        model.__dict__["_compiled_decode_step"] = step
-    return step
-
-
-def _static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
-    """The static cache of a compiled generation: a new one, or the user's, checked."""
-    config: Any = model.config
-    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "decode_step"):
-        raise ValueError(
-            f"compile=True compiles a decoder-only model's decode step; {type(model).__name__} "
-            "has none: use compile=False"
-        )
-    rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(
-            "compile=True needs fixed RoPE frequencies; "
-            + ("dynamic NTK" if rope_type == "dynamic" else "LongRoPE")
-            + " scaling changes them with the length: use compile=False"
-        )
-    if cache is None:
-        # Lengths rounded up to a bucket: one compiled graph serves many prompt lengths
-        # (the causal pattern hides the slots beyond the current one).
-        bucket = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
-        return model.new_cache(kind="static", max_length=bucket, batch_size=b)  # type: ignore[operator]
-    _check_fresh_cache(cache)
-    from attnlab.cache import StaticKVCache
-
-    if not all(isinstance(c, StaticKVCache) for c in getattr(cache, "layers", [])):
-        raise ValueError(
-            "compile=True needs static caches (model.new_cache(kind='static', ...)), got "
-            f"{sorted({type(c).__name__ for c in cache.layers})}"
-        )
-    _check_cache_room(cache, needed)
-    return cache
-
-
-def _quantized_cache(
-    model: nn.Module, kv_dtype: str, cache: Any, compile: bool, needed: int
-) -> Any:
-    """A fresh model cache whose KV layers hold ``kv_dtype`` (:mod:`attnlab.cache.quantized`)."""
-    from attnlab.cache.kv_cache import DynamicKVCache
-    from attnlab.cache.quantized import KV_DTYPES, QuantizedKVCache
-
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
-    if cache is not None or compile:
-        raise ValueError(
-            "kv_dtype makes its own cache and runs eagerly: pass neither cache= nor compile=True"
-        )
-    fresh = model.new_cache(max_length=needed)  # type: ignore[operator]
-    if not all(type(c) is DynamicKVCache for c in fresh.layers):
-        raise ValueError(
-            "kv_dtype quantizes growing KV caches; this model's layers carry "
-            f"{sorted({type(c).__name__ for c in fresh.layers})}"
-        )
-    fresh.layers = [QuantizedKVCache(kv_dtype=kv_dtype, capacity=needed) for _ in fresh.layers]
-    return fresh
-
-
-def _check_token_id(name: str, value: object, vocab_size: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int token id, got {type(value).__name__} {value!r}")
-    if not 0 <= value < vocab_size:
-        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got {value}")
-
-
-def _check_fresh_cache(cache: Any) -> None:
-    """Refuse a cache that already holds tokens (e.g. left by a stream stopped early).
-
-    Generation writes the prompt at slot 0; continuing a cache that holds another
-    call's tokens would attend to them and silently change the output.
-    """
-    length = getattr(cache, "length", 0)
-    if length:
-        raise ValueError(
-            f"cache holds {length} token(s) from an earlier call (a stream stopped early "
-            "leaves its tokens behind); call cache.reset() or pass a new cache"
-        )
-
-
-def _check_cache_room(cache: Any, needed: int) -> None:
-    for layer in getattr(cache, "layers", []):
-        room = getattr(layer, "max_length", None)
-        if room is not None and room - layer.length < needed:
-            raise ValueError(
-                f"cache too small: the prompt and max_new_tokens need {needed} slots, the cache "
-                f"has {room - layer.length} free (max_length={room}, {layer.length} used)"
-            )
-
-
-def _stream_seq2seq(
-    model: Any,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    attention_mask: Tensor | None,
-    choose: Any,
-    eos: Tensor | None,
-    pad_token_id: int,
-    cache: Any,
-) -> Iterator[Tensor]:
-    b = input_ids.shape[0]
-    device = input_ids.device
-    encoder_out = model.encode(input_ids, attention_mask=attention_mask)  # [B, S_enc, D]
-    if cache is None:
-        cache = model.new_cache(max_length=max_new_tokens + 1)
-    else:
-        _check_fresh_cache(cache)
-    start_id = model.config.decoder_start_token_id
-    tok = torch.full((b,), start_id, dtype=torch.long, device=device)
-    finished = torch.zeros(b, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
-        out = model(
-            attention_mask=attention_mask,
-            decoder_input_ids=tok[:, None],
-            encoder_outputs=encoder_out,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        tok = choose(out.logits)
-        if eos is not None:
-            tok = tok.masked_fill(finished, pad_token_id)
-        yield tok
-        if eos is not None:
-            finished |= torch.isin(tok, eos)
-            if bool(finished.all()):
+            logits = self._forward(self.input_ids, p)
+        for step in range(self.new):
+            tok = choose(logits)
+            if self.tokens is not None:
+                self.tokens.append(tok[:, None])
+            yield tok
+            if step + 1 == self.new:
                 return
+            logits = self.step(tok, p + step)
+            if self.next_pos is not None:
+                self.next_pos = self.next_pos + 1
+
+    def step(self, tok: Tensor, slot: int) -> Tensor:
+        """The logits after ``tok [B]`` written at ``slot``."""
+        if self.tokens is not None and slot == self.again_at:
+            self.cache.reset()
+            logits = self._forward(torch.cat(self.tokens, dim=1), slot + 1)
+            self.tokens = None
+            return logits
+        if self.compiled:
+            return self._compiled_step(tok, slot)
+        if self.step_fn is not None:
+            return self.step_fn(
+                tok[:, None], cache=self.cache, start=slot, position_ids=self.next_pos,
+                attention_mask=self._mask_to(slot + 1),
+            )  # fmt: skip
+        return self._forward(tok[:, None], slot + 1, self.next_pos)
+
+    def _compiled_step(self, tok: Tensor, slot: int) -> Tensor:
+        """The slot as a tensor and the whole mask: the same graph every step."""
+        start = torch.tensor(slot, device=tok.device)
+        if self.backend is None:  # asked once, eagerly: the registry's context is not traced
+            self.backend = self.model.decode_backend(  # type: ignore[operator]
+                tok[:, None], cache=self.cache, start=start, attention_mask=self.full_mask
+            )
+        kwargs = dict(cache=self.cache, start=start, position_ids=self.next_pos,
+                      attention_mask=self.full_mask, backend=self.backend)  # fmt: skip
+        try:
+            logits = self.step_fn(tok[:, None], **kwargs)
+        except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
+            if not self.auto:
+                raise
+            # compile was our choice, not the user's: say so, and run the same step eagerly
+            logger.warning(
+                "the compiled decode step failed (%s: %s); generate continues eagerly "
+                "(pass compile=False to skip the attempt)", type(err).__name__, err,
+            )  # fmt: skip
+            self.step_fn = self.model.decode_step  # type: ignore[assignment]
+            self.auto = False
+            logits = self.step_fn(tok[:, None], **kwargs)
+        self.cache.set_length(slot + 1)
+        return logits
 
 
 def generate(
@@ -410,7 +255,7 @@ def generate(
     *,
     pad_token_id: int | None = None,
     cache: Any = None,
-    compile: bool = False,
+    compile: bool | None = None,
     speculative: str | nn.Module | None = None,
     num_draft: int = 8,
     kv_dtype: str | None = None,
@@ -433,9 +278,14 @@ def generate(
         pad_token_id: the filler after EOS (default: the config's, else the EOS id, else 0).
         cache: a :class:`~attnlab.cache.ModelCache` to use (default: a fresh one sized
             for the prompt and the new tokens).
-        compile: compile the model's decode step with ``torch.compile`` over a static
-            cache (the first call compiles, later ones reuse the graph); same tokens
-            as the eager loop. Decoder-only models.
+        compile: ``None`` (default): the fastest exact path, the decode step compiled
+            with ``torch.compile`` over a static cache when
+            :func:`~attnlab.generation.compiled.compile_decision` finds it possible and
+            worth it (decoder-only, eval mode, a C++ compiler, and a graph of this shape
+            already compiled or a run of known length: no ``eos_token_id`` and at least
+            128 new tokens), eager otherwise; ``True``: compile (or raise where it cannot); ``False``:
+            eager. The first call of a shape compiles (10-20 s cold), logged and kept in
+            :func:`~attnlab.generation.compiled.compile_report`; same tokens either way.
         speculative: ``"prompt_lookup"`` or a draft model (same vocabulary): draft
             ``num_draft`` tokens and verify them in one forward
             (:mod:`attnlab.generation.speculative`); greedy output is unchanged and
@@ -458,7 +308,9 @@ def generate(
     if speculative is not None:
         if kv_dtype is not None:
             raise ValueError("speculative decoding keeps a float cache: drop kv_dtype")
-        return _generate_speculative(
+        from attnlab.generation.speculative import generate_speculative
+
+        return generate_speculative(
             model, input_ids, max_new_tokens, attention_mask, cache, compile, speculative,
             num_draft=num_draft, do_sample=do_sample, temperature=temperature, top_k=top_k,
             top_p=top_p, eos_token_id=eos_token_id, generator=generator,
@@ -494,39 +346,3 @@ def generate(
     if not tokens:
         return prefix.clone()
     return torch.cat((prefix, torch.stack(tokens, dim=1)), dim=1)
-
-
-def _generate_speculative(
-    model: nn.Module,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    attention_mask: Tensor | None,
-    cache: Any,
-    compile: bool,
-    speculative: str | nn.Module,
-    **kwargs: Any,
-) -> Tensor:
-    """``generate(speculative=...)``: the combinations it refuses, then the drafted loop."""
-    from attnlab.generation.speculative import speculative_stream
-
-    check_sampling(
-        do_sample=kwargs["do_sample"],
-        temperature=kwargs["temperature"],
-        top_k=kwargs["top_k"],
-        top_p=kwargs["top_p"],
-    )
-    _check_inputs(model, input_ids, max_new_tokens, attention_mask)
-    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "new_cache"):
-        raise ValueError(
-            f"speculative decoding needs a decoder-only model, got {type(model).__name__}"
-        )
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError("speculative decoding runs one unpadded row: drop the padding")
-    if cache is not None or compile:
-        raise ValueError("speculative decoding makes its own cache and runs eagerly: "
-                         "pass neither cache= nor compile=True")  # fmt: skip
-    if getattr(model.config, "sliding_window", None) is not None:
-        raise ValueError("speculative decoding cuts the cache back: a sliding-window cache cannot")
-    new = list(speculative_stream(model, input_ids, max_new_tokens, draft=speculative, **kwargs))
-    tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
-    return torch.cat([input_ids, tail], dim=1)

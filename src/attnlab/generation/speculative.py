@@ -24,10 +24,16 @@ from torch import Tensor, nn
 
 from attnlab._validate import check_int
 from attnlab.cache.kv_cache import DynamicKVCache
-from attnlab.functional.sampling import check_finite_logits, top_k_filter, top_p_filter
+from attnlab.functional.sampling import (
+    check_finite_logits,
+    check_sampling,
+    top_k_filter,
+    top_p_filter,
+)
+from attnlab.generation.inputs import check_inputs
 from attnlab.generation.sampler import speculative_verify
 
-__all__ = ["SpeculativeStats", "prompt_lookup", "speculative_stream"]
+__all__ = ["SpeculativeStats", "generate_speculative", "prompt_lookup", "speculative_stream"]
 
 
 def prompt_lookup(tokens: Sequence[int], *, max_ngram: int = 3, num_draft: int = 8) -> list[int]:
@@ -202,3 +208,37 @@ def speculative_stream(
             if t in eos or produced >= max_new_tokens:
                 return
         tok = nxt
+
+
+def generate_speculative(
+    model: nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    attention_mask: Tensor | None,
+    cache: Any,
+    compile: bool | None,
+    speculative: str | nn.Module,
+    **kwargs: Any,
+) -> Tensor:
+    """``generate(speculative=...)``: the combinations it refuses, then the drafted loop."""
+    check_sampling(
+        do_sample=kwargs["do_sample"],
+        temperature=kwargs["temperature"],
+        top_k=kwargs["top_k"],
+        top_p=kwargs["top_p"],
+    )
+    check_inputs(model, input_ids, max_new_tokens, attention_mask)
+    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "new_cache"):
+        raise ValueError(
+            f"speculative decoding needs a decoder-only model, got {type(model).__name__}"
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("speculative decoding runs one unpadded row: drop the padding")
+    if cache is not None or compile is True:
+        raise ValueError("speculative decoding makes its own cache and runs eagerly: "
+                         "pass neither cache= nor compile=True")  # fmt: skip
+    if getattr(model.config, "sliding_window", None) is not None:
+        raise ValueError("speculative decoding cuts the cache back: a sliding-window cache cannot")
+    new = list(speculative_stream(model, input_ids, max_new_tokens, draft=speculative, **kwargs))
+    tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, tail], dim=1)

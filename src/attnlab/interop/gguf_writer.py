@@ -2,8 +2,11 @@
 
 The layout follows llama.cpp's converter (``convert_hf_to_gguf.py``): llama.cpp's tensor
 names, q/k rows permuted for its RoPE kernel, one-dimensional tensors (norms) in F32,
-matrices in the requested type (F32, F16, or Q8_0 blocks quantized by
-``gguf.quants``), no ``output.weight`` when the embeddings are tied. Files are written
+matrices in the requested type (F32, F16, or Q8_0/Q4_0/Q4_1 blocks quantized by
+``gguf.quants``), no ``output.weight`` when the embeddings are tied. A quantized model's
+layers (:mod:`attnlab.modules.quant_linear`) are written from their levels without going
+through float: ``int8:g32`` as Q8_0, ``int4:g32`` as Q4_1 (Q4_0 when its minimums are
+``-8 * scale``, as a layer read from a Q4_0 file has them). Files are written
 to a temporary name beside the target and renamed, so a failed write leaves nothing.
 """
 
@@ -21,7 +24,14 @@ from attnlab.interop.gguf_names import gguf_metadata_from_config, gguf_name, per
 __all__ = ["GGUF_DTYPES", "to_gguf", "write_gguf"]
 
 #: ``dtype=`` values of :func:`to_gguf` -> (ggml type name, llama.cpp's ``general.file_type``)
-GGUF_DTYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "q8_0": ("Q8_0", 7)}
+GGUF_DTYPES = {
+    "f32": ("F32", 0),
+    "f16": ("F16", 1),
+    "q8_0": ("Q8_0", 7),
+    "q4_0": ("Q4_0", 2),
+    "q4_1": ("Q4_1", 3),
+}
+_FILE_TYPES = {kind: file_type for kind, file_type in GGUF_DTYPES.values()}
 
 
 def _require_gguf() -> Any:
@@ -104,11 +114,70 @@ def _encode(w: Tensor, kind: str, gguf: Any) -> tuple[Any, str]:
     return gguf.quants.quantize(a, gguf.GGMLQuantizationType[kind]), kind
 
 
+def layer_block_type(layer: nn.Module) -> str | None:
+    """The GGUF block type holding a quantized layer exactly (scales aside), or None.
+
+    ``int8:g32`` is Q8_0; ``int4:g32`` is Q4_1, or Q4_0 when every minimum is ``-8 *
+    scale``. Other layouts (per-channel int8, int4 in groups of 64/128) have no GGUF type
+    of the same arithmetic.
+    """
+    from attnlab.modules.quant_linear import Int4Linear, Int8Linear
+
+    if isinstance(layer, Int8Linear) and layer.group_size == 32:
+        return "Q8_0"
+    if isinstance(layer, Int4Linear) and layer.group_size == 32:
+        return "Q4_0" if torch.equal(layer.mins, -8.0 * layer.scales) else "Q4_1"
+    return None
+
+
+def _encode_layer(layer: Any, kind: str | None, name: str, heads: int | None) -> tuple[Any, str]:
+    """A quantized layer's weight in ``kind`` (None: as stored), its rows in llama.cpp's
+    q/k order when ``heads`` is given."""
+    from attnlab.functional.gguf_blocks import join_blocks
+    from attnlab.functional.quant import unpack_nibbles
+    from attnlab.modules.quant_linear import Int4Linear
+
+    own = layer_block_type(layer)
+    if kind in ("F32", "F16"):
+        w = layer.dequantize(torch.float32)
+        w = permute_qk(w, heads) if heads is not None else w
+        a = w.contiguous().numpy()
+        return (a if kind == "F32" else a.astype("float16")), kind
+    # a Q4_0 layer is also a Q4_1 one (minimum -8 d); nothing else converts without rounding
+    exact = own is not None and (kind in (None, own) or (kind, own) == ("Q4_1", "Q4_0"))
+    target = own if kind is None else kind
+    if not exact or target is None:
+        spec = f"{layer.kind}:g{layer.group_size}"
+        raise ValueError(
+            f"{name} is a {spec} layer"
+            + (f" (GGUF {own})" if own else " (no GGUF block type holds it exactly)")
+            + f"; writing it as {kind or 'stored'} would round it again: pass "
+            + ("dtype=None to write it as stored, or " if own else "")
+            + "dtype='f32' or 'f16' (its values dequantized)"
+        )
+    n = layer.out_features
+    mins: Tensor | None = None
+    if isinstance(layer, Int4Linear):
+        q = unpack_nibbles(layer.qweight).to(torch.int16)  # [N, K] in 0..15
+        mins = layer.mins
+        if target == "Q4_0":
+            q, mins = q - 8, None
+    else:
+        q = layer.qweight
+    scales = layer.scales
+    if heads is not None:  # llama.cpp's rotary row order, on the levels and their scales
+        q, scales = permute_qk(q, heads), permute_qk(scales, heads)
+        mins = None if mins is None else permute_qk(mins, heads)
+    m = None if mins is None else mins.reshape(-1)
+    raw = join_blocks(target, q.reshape(-1, 32), scales.reshape(-1), m)
+    return raw.reshape(n, -1).numpy(), target
+
+
 def to_gguf(
     model: nn.Module,
     path: str | Path,
     *,
-    dtype: str = "f32",
+    dtype: str | None = None,
     name: str | None = None,
     tokenizer: Any = None,
 ) -> Path:
@@ -121,7 +190,9 @@ def to_gguf(
         model: a RoPE + RMSNorm + SwiGLU decoder without biases (Llama; what
             ``attnlab.to_hf`` turns into ``LlamaForCausalLM``).
         path: the file to write (atomically).
-        dtype: ``"f32"``, ``"f16"`` or ``"q8_0"`` for the matrices; norms stay F32.
+        dtype: ``"f32"``, ``"f16"``, ``"q8_0"``, ``"q4_0"`` or ``"q4_1"`` for the
+            matrices; norms stay F32. ``None`` (default): a quantized model's layers as
+            stored (:func:`layer_block_type`; float matrices in F32), a float model in F32.
         name: ``general.name`` (default: the file's stem).
         tokenizer: a transformers fast tokenizer (byte-level BPE) to store; default
             ``model.tokenizer`` when set. Without one the file holds no vocabulary.
@@ -130,14 +201,14 @@ def to_gguf(
         The path written.
 
     Raises:
-        ValueError: a model that is not a Llama-architecture decoder (what differs), or
-            an unknown ``dtype``.
+        ValueError: a model that is not a Llama-architecture decoder (what differs), an
+            unknown ``dtype``, or a quantized layer ``dtype`` would round again.
     """
     from attnlab.interop import llama
     from attnlab.models.decoder import DecoderLM
 
-    if dtype not in GGUF_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(GGUF_DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype must be None or one of {sorted(GGUF_DTYPES)}, got {dtype!r}")
     if not isinstance(model, DecoderLM):
         raise ValueError(
             f"to_gguf writes a DecoderLM (Llama architecture), got {type(model).__name__}"
@@ -151,30 +222,48 @@ def to_gguf(
     if c.attention_bias or c.mlp_bias:
         raise ValueError("to_gguf writes Llama without attention or MLP biases")
     gguf = _require_gguf()
-    kind, file_type = GGUF_DTYPES[dtype]
+    weights = _weights(model)
+    kind = None if dtype is None else GGUF_DTYPES[dtype][0]
     cfg = llama._hf_kwargs(c)
     meta = gguf_metadata_from_config(cfg)
     meta["general.name"] = name or Path(path).stem
-    meta["general.file_type"] = file_type
-    if kind != "F32" and kind != "F16":
-        meta["general.quantization_version"] = 2
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tok is not None:
         from attnlab.interop.gguf_vocab import tokenizer_metadata
 
         meta |= tokenizer_metadata(tok, c)
-    own = model.state_dict()
     heads = {
         "self_attn.q_proj": c.num_attention_heads,
         "self_attn.k_proj": c.num_key_value_heads or c.num_attention_heads,
     }
     tensors: dict[str, tuple[Any, str]] = {}
-    for ours, theirs in llama.key_map(model).items():
-        w = own[ours]
+    for ours, theirs in llama.key_map(model, present=weights).items():
+        w = weights[ours]
         part = next((p for p in heads if f".{p}." in theirs), None)
-        if part is not None:
-            w = permute_qk(w, heads[part])
         target = gguf_name(theirs)
         assert target is not None, theirs
-        tensors[target] = _encode(w, kind, gguf)
+        if isinstance(w, Tensor):
+            w = permute_qk(w, heads[part]) if part is not None else w
+            tensors[target] = _encode(w, kind or "F32", gguf)
+        else:
+            tensors[target] = _encode_layer(w, kind, ours, heads[part] if part else None)
+    written = [k for _, k in tensors.values() if k != "F32"]
+    main = kind or (max(set(written), key=written.count) if written else "F32")
+    meta["general.file_type"] = _FILE_TYPES[main]
+    if main not in ("F32", "F16"):
+        meta["general.quantization_version"] = 2
     return write_gguf(path, meta, tensors)
+
+
+def _weights(model: nn.Module) -> dict[str, Any]:
+    """Every weight by state-dict name: float tensors, and quantized layers (their
+    ``.weight`` name) as the layer itself."""
+    from attnlab.modules.quant_linear import QuantEmbedding, QuantLinear
+
+    out: dict[str, Any] = dict(model.state_dict())
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            out[f"{name}.weight"] = mod
+        elif isinstance(mod, QuantEmbedding):
+            out[f"{name}.weight"] = mod.table
+    return out

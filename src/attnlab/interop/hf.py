@@ -155,7 +155,8 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
 
     Args:
         model_or_local_dir: a ``transformers.PreTrainedModel`` (e.g. ``BertModel``),
-            the path of a local folder with ``config.json`` and safetensors weights, or a
+            the path of a local folder with ``config.json`` and safetensors weights, a
+            quantized folder (:func:`attnlab.interop.quantized.save_quantized`), or a
             ``.gguf`` file (:func:`attnlab.interop.gguf.from_gguf`).
 
     Returns:
@@ -172,6 +173,10 @@ def from_hf(model_or_local_dir: Any) -> nn.Module:
             from attnlab.interop.gguf import from_gguf
 
             return from_gguf(folder)  # type: ignore[no-any-return]
+        from attnlab.interop.quantized import RECORD, load_quantized
+
+        if folder.is_dir() and (folder / RECORD).is_file():  # save_quantized's folder, as stored
+            return load_quantized(folder)
         folder = check_model_folder(folder)
         cfg = read_config(folder)
         archs = cfg.get("architectures")

@@ -7,7 +7,7 @@ RoPE settings are read from transformers 5's ``rope_parameters`` (or the older
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from torch import Tensor, nn
@@ -88,7 +88,9 @@ def _first(tok: Any) -> int | None:
     return tok[0] if isinstance(tok, list) and tok else tok
 
 
-def key_map(model: nn.Module) -> dict[str, str]:
+def key_map(model: nn.Module, present: Container[str] | None = None) -> dict[str, str]:
+    """attnlab name -> transformers name of every weight ``present`` (default: the model's
+    state dict; the GGUF writer adds the ``.weight`` of quantized layers)."""
     assert isinstance(model, DecoderLM)
     m = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if model.lm_head is not None:
@@ -104,7 +106,12 @@ def key_map(model: nn.Module) -> dict[str, str]:
         "self_attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
     }
-    return m | per_layer_keys(len(model.layers), parts, "model.layers", present=model.state_dict())
+    return m | per_layer_keys(
+        len(model.layers),
+        parts,
+        "model.layers",
+        present=model.state_dict() if present is None else present,
+    )
 
 
 def drop_tied_head(weights: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:

@@ -29,33 +29,33 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.backends.call import AttentionCall
-from attnlab.backends.plan import AttentionPlan, make_plan
 from attnlab.backends.select import choose_call
 from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
-from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
 from attnlab.functional.losses import causal_lm_loss
 from attnlab.functional.masks import MaskPattern
 from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.models._checkpoint import call_layer, checkpointing
+from attnlab.models.decoder_attention import (
+    attention_call,
+    attention_pattern,
+    attention_plans,
+    first_kv,
+)
+from attnlab.models.decoder_build import build_decoder_layer, build_feed_forward, build_moe
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.decoder_parts import (
     AttentionGroup,
-    layer_pattern,
     layer_rotaries,
     score_mods,
 )
 from attnlab.models.flat import FlatBatch, decoder_forward_flat
-from attnlab.models.layout import LayerSpec, MoEConfig
-from attnlab.models.mixers import MixerParts, build_mixer, get_mixer
+from attnlab.models.lm_shell import CausalLMShell
+from attnlab.models.mixers import get_mixer
 from attnlab.models.outputs import CausalLMOutput
-from attnlab.modules.decoder_layer import DecoderLayer
-from attnlab.modules.experts import Experts, Router
 from attnlab.modules.linear import make_linear
-from attnlab.modules.mlp import FeedForward, GatedFeedForward
-from attnlab.modules.moe import MoEBlock
-from attnlab.modules.norms import OffsetRMSNorm, RMSNorm
+from attnlab.modules.norms import make_norm
 from attnlab.modules.positions import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -68,126 +68,7 @@ __all__ = ["DecoderLM", "build_decoder_layer", "build_feed_forward", "build_moe"
 CacheKind = Literal["dynamic", "static"]
 
 
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """``"rmsnorm"`` -> :class:`RMSNorm`, ``"gemma_rmsnorm"`` -> :class:`OffsetRMSNorm`,
-    ``"layernorm"`` -> ``nn.LayerNorm``."""
-    if kind == "rmsnorm":
-        return RMSNorm(dim, eps=eps)
-    if kind == "gemma_rmsnorm":
-        return OffsetRMSNorm(dim, eps=eps)
-    if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=eps)
-    raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm', 'gemma_rmsnorm' or 'layernorm'")
-
-
-def build_feed_forward(config: DecoderConfig, spec: LayerSpec) -> nn.Module | None:
-    """The feed-forward ``spec`` names: dense (the config's ``mlp``), MoE, or None."""
-    d = config.hidden_size
-    if spec.ffn == "none":
-        return None
-    if spec.ffn == "moe":
-        assert spec.moe is not None
-        return build_moe(spec.moe, d, bias=config.mlp_bias)
-    if config.mlp == "gated":
-        return GatedFeedForward(
-            embed_dim=d,
-            hidden_dim=config.intermediate_size,
-            activation=config.hidden_act,
-            bias=config.mlp_bias,
-        )
-    return FeedForward(
-        embed_dim=d,
-        hidden_dim=config.intermediate_size,
-        activation=config.hidden_act,
-        bias=config.mlp_bias,
-    )
-
-
-def build_moe(moe: MoEConfig, embed_dim: int, *, bias: bool = False) -> MoEBlock:
-    """A :class:`MoEBlock` as ``moe`` describes it (the shared expert is a gated or plain
-    feed-forward like the routed ones)."""
-    shared: nn.Module | None = None
-    if moe.shared_expert_intermediate_size:
-        kind = GatedFeedForward if moe.expert_mlp == "gated" else FeedForward
-        shared = kind(
-            embed_dim=embed_dim,
-            hidden_dim=moe.shared_expert_intermediate_size,
-            activation=moe.hidden_act,
-            bias=bias,
-        )
-    return MoEBlock(
-        router=Router(
-            embed_dim=embed_dim,
-            num_experts=moe.num_experts,
-            top_k=moe.top_k,
-            router=moe.router,
-            normalize=moe.norm_topk_prob,
-            capacity_factor=moe.capacity_factor,
-            jitter=moe.router_jitter,
-            noise_std=moe.router_noise_std,
-        ),
-        experts=Experts(
-            num_experts=moe.num_experts,
-            embed_dim=embed_dim,
-            hidden_dim=moe.intermediate_size,
-            activation=moe.hidden_act,
-            gated=moe.expert_mlp == "gated",
-        ),
-        shared_expert=shared,
-        shared_expert_gate=make_linear(embed_dim, 1, bias=False)
-        if moe.shared_expert_gate
-        else None,
-        dispatch=moe.dispatch,
-        capacity_factor=moe.capacity_factor,
-    )
-
-
-def build_decoder_layer(
-    config: DecoderConfig,
-    *,
-    layer_index: int = 0,
-    rotary: nn.Module | None = None,
-    backend: str = "auto",
-) -> DecoderLayer:
-    """Decoder layer ``layer_index`` as ``config.layer_specs`` describes it (its mixer from
-    :mod:`attnlab.models.mixers`, its feed-forward), with the shared position components."""
-    d = config.hidden_size
-    spec = config.layer_specs[layer_index]
-    mixer = build_mixer(
-        spec.mixer,
-        config,
-        MixerParts(layer_index=layer_index, rotary=rotary, backend=backend),
-    )
-    ff = build_feed_forward(config, spec)
-    sandwich = config.norm_placement == "sandwich"
-
-    def norm() -> nn.Module:
-        return make_norm(config.norm, d, config.norm_eps)
-
-    return DecoderLayer(
-        self_attention=mixer,
-        feed_forward=ff,
-        self_attn_norm=norm(),
-        ffn_norm=norm() if ff is not None else None,
-        norm_position="pre",
-        dropout=config.hidden_dropout,
-        post_attn_norm=norm() if sandwich else None,
-        post_ffn_norm=norm() if sandwich and ff is not None else None,
-    )
-
-
-def _first_kv(
-    cache: ModelCache | None, windows: tuple[int | None, ...], window: int | None
-) -> KVCache | None:
-    """The KV cache of the first attention layer of ``window``: its slots are those of
-    every attention layer of that window (a rolling cache keeps the last ``W``)."""
-    if cache is None:
-        return None
-    pairs = zip(cache.layers, windows)
-    return next((c for c, w in pairs if isinstance(c, KVCache) and w == window), None)
-
-
-class DecoderLM(nn.Module):
+class DecoderLM(CausalLMShell):
     """A pre-LN decoder-only Transformer with a language-model head.
 
     GPT-2 (Radford et al., 2019), Llama (Touvron et al., 2023), Mistral (Jiang et al.,
@@ -197,8 +78,6 @@ class DecoderLM(nn.Module):
         config: the architecture.
         backend: attention backend for every layer.
     """
-
-    is_encoder_decoder = False
 
     def __init__(self, config: DecoderConfig, *, backend: str = "auto") -> None:
         super().__init__()
@@ -254,16 +133,6 @@ class DecoderLM(nn.Module):
         if scaling.get("rope_type") != "longrope":
             return None
         return int(scaling["original_max_position_embeddings"])
-
-    def num_parameters(self) -> int:
-        """Number of parameters (tied matrices counted once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    @property
-    def output_weight(self) -> Tensor:
-        """The LM head's ``[V, D]`` matrix (the token embeddings when tied; expanded to
-        float when they are quantized)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def lm_logits(self, x: Tensor) -> Tensor:
         """``[B, L, D] -> [B, L, V]``: the LM head, a quantized one included (a tied
@@ -497,13 +366,13 @@ class DecoderLM(nn.Module):
         n = input_ids.shape[1]
         d = self.config.hidden_size
         x = self._float_param().new_empty((input_ids.shape[0], n, d))  # shape and dtype only
-        first = _first_kv(cache, self.layer_windows, self.layer_windows[0])
+        first = first_kv(cache, self.layer_windows, self.layer_windows[0])
         q_slots = start + torch.arange(n, device=x.device)[None]
-        pattern, is_causal, _, k_pos = self._pattern(
-            first, attention_mask, start, n, q_slots, window=self.layer_windows[0]
+        pattern, is_causal, _, k_pos = attention_pattern(
+            self, first, attention_mask, start, n, q_slots, window=self.layer_windows[0]
         )
         s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-        return self._backend_for(self._attention_call(x, pattern, is_causal, s, False, first))
+        return self._backend_for(attention_call(self, x, pattern, is_causal, s, False, first))
 
     def _backend_for(self, call: AttentionCall) -> str:
         """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
@@ -533,8 +402,8 @@ class DecoderLM(nn.Module):
         q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
         positions = q_slots if position_ids is None else position_ids
         x = self._embed_extras(x, positions)
-        plans = self._plans(
-            x, start, mask, positions, q_slots, cache, output_attentions, extra, backend
+        plans = attention_plans(
+            self, x, start, mask, positions, q_slots, cache, output_attentions, extra, backend
         )
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
@@ -565,45 +434,6 @@ class DecoderLM(nn.Module):
             tuple(router_logits) if output_router_logits else None,
         )
 
-    def _plans(
-        self,
-        x: Tensor,
-        start: Start,
-        mask: Tensor | None,
-        positions: Tensor,
-        q_slots: Tensor,
-        cache: ModelCache | None,
-        need_weights: bool,
-        extra: MaskPattern | None,
-        backend: str | None,
-    ) -> dict[int | None, AttentionPlan]:
-        """One plan per sliding window of the layers (None: global), each with its
-        backend chosen once (or ``backend`` as resolved by the caller)."""
-        n = x.shape[1]
-        # the new tokens' padding, for mixers whose state must skip pads (Mamba)
-        token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
-        plans: dict[int | None, AttentionPlan] = {}
-        for window in dict.fromkeys(self.layer_windows):
-            # the slots of the first attention layer of this window (others carry states)
-            first = _first_kv(cache, self.layer_windows, window)
-            pattern, is_causal, q_pos, k_pos = self._pattern(
-                first, mask, start, n, q_slots, extra, window=window
-            )
-            s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
-            call = self._attention_call(x, pattern, is_causal, s, need_weights, first)
-            plans[window] = make_plan(
-                call,
-                backend=self.backend,
-                chosen=backend,
-                pattern=pattern,
-                positions=positions,
-                q_positions=q_pos,
-                k_positions=k_pos,
-                start=start,
-                token_mask=token_mask,
-            )
-        return plans
-
     def explain_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> list[AttentionGroup]:
@@ -615,7 +445,7 @@ class DecoderLM(nn.Module):
         x = self._float_param().new_empty((b, n, self.config.hidden_size))  # shape and dtype
         mask = self._check_mask(attention_mask, b, n)
         q_slots = torch.arange(n, device=x.device)[None]
-        plans = self._plans(x, 0, mask, q_slots, q_slots, None, False, None, None)
+        plans = attention_plans(self, x, 0, mask, q_slots, q_slots, None, False, None, None)
         out = []
         for window, plan in plans.items():
             layers = tuple(i for i, w in enumerate(self.layer_windows) if w == window)
@@ -625,39 +455,6 @@ class DecoderLM(nn.Module):
             )
             out.append(AttentionGroup(layers, window, shown, choose_call(plan.call, self.backend)))
         return out
-
-    def _pattern(
-        self,
-        first: KVCache | None,
-        mask: Tensor | None,
-        start: Start,
-        n: int,
-        q_slots: Tensor,
-        extra: MaskPattern | None = None,
-        *,
-        window: int | None,
-    ) -> tuple[MaskPattern | None, bool, Tensor | None, Tensor | None]:
-        """``(pattern, is_causal, q slots, k slots)`` shared by the layers of one window.
-
-        The pattern is ``causal() & sliding_window(W - 1) & padding(mask)`` with ALiBi and
-        soft-capping as score modifiers, evaluated on slots (and ``& extra``, a user's
-        pattern such as ``document(ids)``, when given). Two shapes need no pattern at
-        all: a prompt with no cache, padding, window or bias (torch's causal kernel), and
-        one new token against a contiguous cache of every earlier slot (it sees them all).
-        """
-        mods = self._score_mods
-        plain = mask is None and window is None and self._unscored and extra is None
-        contiguous = first is None or isinstance(first, DynamicKVCache)
-        if plain and contiguous and isinstance(start, int):
-            if start == 0:
-                return None, n > 1, None, None
-            if n == 1:
-                return None, False, None, None
-        if first is not None:
-            k_slots = first.key_slots(start, n, q_slots.device)  # [1, S]
-        else:
-            k_slots = torch.arange(q_slots.shape[-1] + int(start), device=q_slots.device)[None]
-        return layer_pattern(window, mask, extra, mods), False, q_slots, k_slots
 
     def _embed_extras(self, x: Tensor, positions: Tensor) -> Tensor:
         """What follows the token embedding: Gemma's scale, absolute positions, the
@@ -684,97 +481,3 @@ class DecoderLM(nn.Module):
         """One serving step over a flat row (see :mod:`attnlab.models.flat`): logits
         ``[n_s, V]`` of each sequence's last token."""
         return decoder_forward_flat(self, input_ids, batch, cache)
-
-    def _attention_call(
-        self,
-        x: Tensor,
-        pattern: MaskPattern | None,
-        is_causal: bool,
-        s: int,
-        need_weights: bool,
-        first: KVCache | None = None,
-    ) -> AttentionCall:
-        """The one :class:`AttentionCall` every self-attention layer of this forward shares
-        (``first``: the first layer's cache; a paged one gives the call its block size)."""
-        c = self.config
-        assert c.head_dim is not None and c.num_key_value_heads is not None
-        b, n = x.shape[:2]
-        training = self.training
-        return AttentionCall(
-            query_shape=(b, c.num_attention_heads, n, c.head_dim),
-            key_shape=(b, c.num_key_value_heads, s, c.head_dim),
-            value_shape=(b, c.num_key_value_heads, s, c.head_dim),
-            dtype=x.dtype,
-            device=x.device,
-            mask="none" if pattern is None else "pattern",
-            pattern=pattern,
-            is_causal=is_causal,
-            dropout_p=c.attention_dropout if training else 0.0,
-            enable_gqa=c.num_key_value_heads != c.num_attention_heads,
-            needs_grad=torch.is_grad_enabled()
-            and (x.requires_grad or self._float_param().requires_grad),
-            return_weights=need_weights,
-            positions=pattern is not None,
-            block_size=getattr(first, "block_size", 0) if pattern is not None else 0,
-        )
-
-    # ------------------------------------------------------------------ pieces
-
-    def _embed_tokens(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if inputs_embeds is not None:
-            check_tensor("inputs_embeds", inputs_embeds)
-            if (
-                inputs_embeds.dim() != 3
-                or inputs_embeds.shape[-1] != self.config.hidden_size
-                or inputs_embeds.shape[:2].numel() == 0
-            ):
-                raise ValueError(
-                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}) with at "
-                    f"least one token, got {tuple(inputs_embeds.shape)}"
-                )
-            return inputs_embeds
-        assert input_ids is not None
-        check_token_ids("input_ids", input_ids, self.config.vocab_size)
-        return self.embed_tokens(input_ids)
-
-    @staticmethod
-    def _check_mask(attention_mask: Tensor | None, b: int, total: int) -> Tensor | None:
-        if attention_mask is None:
-            return None
-        check_binary_mask("attention_mask", attention_mask)
-        if attention_mask.shape[0] != b:
-            raise ValueError(
-                f"attention_mask must be (batch, cached + new tokens) with batch {b} as the "
-                f"input ids, got shape {tuple(attention_mask.shape)}"
-            )
-        if attention_mask.shape[1] != total:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[1]} tokens, but cached + new "
-                f"tokens = {total}"
-            )
-        return None if bool(attention_mask.bool().all()) else attention_mask
-
-    @staticmethod
-    def _check_position_ids(position_ids: Tensor, b: int, n: int) -> Tensor:
-        check_tensor("position_ids", position_ids)
-        pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
-        if pos.shape[-1] != n or pos.shape[0] not in (1, b):
-            raise ValueError(
-                f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
-            )
-        return pos
-
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
-        """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""
-        # generation/ sits above models/; imported here, at call time, on purpose.
-        from attnlab.generation.generate import generate
-
-        return generate(self, input_ids, max_new_tokens, **kwargs)
-
-    def stream(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[Tensor]:
-        """Yield new tokens ``[B]`` as they come; see :func:`attnlab.generation.stream`."""
-        from attnlab.generation.generate import stream
-
-        return stream(self, input_ids, max_new_tokens, **kwargs)

@@ -348,6 +348,17 @@ class EncoderModel(nn.Module):
             raise ValueError(
                 "global_attention_mask is for Longformer encoders (a config with attention_window)"
             )
+        mask = self._mask(attention_mask, document_ids, b, s)
+        layers = [
+            {"attn_mask": m, "need_weights": output_attentions, **layer_kwargs}
+            for m in local_masks(self.config, mask, attention_mask)
+        ]
+        return self._run_layers(x, layers, output_attentions, output_hidden_states)
+
+    def _mask(
+        self, attention_mask: Tensor | None, document_ids: Tensor | None, b: int, s: int
+    ) -> AttnMask:
+        """The layers' mask: a ``document`` pattern, padding, or None; ALiBi as its scores."""
         mask: AttnMask = None
         if document_ids is not None:
             if attention_mask is not None:
@@ -372,14 +383,21 @@ class EncoderModel(nn.Module):
                 assert attention_mask is not None
                 mask = padding(attention_mask)
             mask = (full() if mask is None else mask).with_scores(self.alibi)
+        return mask
+
+    def _run_layers(
+        self,
+        x: Tensor,
+        layer_kwargs: list[dict[str, Any]],
+        output_attentions: bool,
+        output_hidden_states: bool,
+    ) -> EncoderOutput:
+        """Every layer with its own keywords, then the final norm and the pooler."""
         hidden: list[Tensor] = [x] if output_hidden_states else []
         attentions: list[Tensor] = []
         ckpt = checkpointing(self)
-        masks = local_masks(self.config, mask, attention_mask)
-        for layer, layer_mask in zip(self.layers, masks):
-            x, w = call_layer(
-                layer, ckpt, x, attn_mask=layer_mask, need_weights=output_attentions, **layer_kwargs
-            )
+        for layer, kwargs in zip(self.layers, layer_kwargs):
+            x, w = call_layer(layer, ckpt, x, **kwargs)
             if output_attentions:
                 assert w is not None
                 attentions.append(w)
@@ -452,23 +470,8 @@ class EncoderModel(nn.Module):
             global_mask = padding_mask(global_attention_mask)[:, 0, 0, :]  # [B, S]
             if key_mask is not None:
                 global_mask = global_mask & key_mask  # padding is never global
-        hidden: list[Tensor] = [x] if output_hidden_states else []
-        ckpt = checkpointing(self)
-        for layer in self.layers:
-            x, _ = call_layer(
-                layer, ckpt, x, global_mask=global_mask, key_mask=key_mask, **layer_kwargs
-            )
-            if output_hidden_states:
-                hidden.append(x)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-            if output_hidden_states:
-                hidden[-1] = x
-        return EncoderOutput(
-            last_hidden_state=x,
-            pooler_output=self.pooler(x) if self.pooler is not None else None,
-            hidden_states=tuple(hidden) if output_hidden_states else None,
-        )
+        kwargs = {"global_mask": global_mask, "key_mask": key_mask, **layer_kwargs}
+        return self._run_layers(x, [kwargs] * len(self.layers), False, output_hidden_states)
 
     def _forward_unpadded(
         self,

@@ -8,7 +8,8 @@
 * ``"gla"``: gated linear attention (Yang et al., 2024);
 * ``"rglru"``: Griffin's recurrent block (De et al., 2024), RecurrentGemma's layout;
 * ``"short_conv"``: LFM2's gated short convolution;
-* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), without the cross-layer value residual;
+* ``"rwkv7"``: RWKV-7's time mix (Peng et al., 2025), with its cross-layer value residual
+  (the first RWKV-7 layer's values handed to the later ones through the plan's ``carry``);
 * ``"mamba2"``: the Mamba-2 mixer (Dao & Gu, 2024), for hybrids such as Bamba;
 * ``"gated_attention"``: the decoder's attention with a sigmoid output gate (Qwen3-Next's
   full-attention layers; it uses the decoder's KV caches).
@@ -49,7 +50,7 @@ from attnlab.modules.rwkv7 import RWKV7TimeMix
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
 
-__all__ = ["PositionalStateMixer"]
+__all__ = ["PositionalStateMixer", "RWKV7Mixer"]
 
 
 class PositionalStateMixer(StateMixer):
@@ -146,13 +147,67 @@ def _short_conv(config: DecoderConfig, parts: MixerParts) -> nn.Module:
     )
 
 
+V_FIRST = "rwkv7.v_first"
+
+
+class RWKV7Mixer(StateMixer):
+    """RWKV-7's time mix with the cross-layer value residual: the first RWKV-7 layer puts
+    its values in the plan's ``carry`` (one per forward), every later one mixes them in."""
+
+    def forward(self, x: Tensor, plan: AttentionPlan, cache: Any = None) -> tuple[Tensor, None]:
+        mixer = self.mixer
+        assert isinstance(mixer, RWKV7TimeMix)
+        role = mixer.value_residual
+        if role == "none":
+            return super().forward(x, plan, cache)
+        if role == "mix" and V_FIRST not in plan.carry:
+            raise ValueError(
+                "an RWKV-7 layer that mixes in the first layer's values ran before that layer"
+            )
+        if plan.layout is None:
+            if cache is not None and not isinstance(cache, RecurrentState):
+                raise TypeError(
+                    f"an RWKV7TimeMix layer carries a recurrent state, got a "
+                    f"{type(cache).__name__}; build the cache with the model's new_cache()"
+                )
+            if role == "first":
+                out, v = mixer(x, mask=plan.token_mask, state=cache, return_values=True)
+                plan.carry[V_FIRST] = v
+                return out, None
+            return mixer(x, mask=plan.token_mask, state=cache, v_first=plan.carry[V_FIRST]), None
+        # a flat serving step: run_grouped runs the groups in layout.state_groups' order
+        assert plan.state_slots is not None and plan.positions is not None
+        assert isinstance(cache, StateSlots)
+        groups = iter(plan.layout.state_groups)
+        flat = x.new_empty(x.shape) if role == "first" else plan.carry[V_FIRST]
+
+        def run(xg: Tensor, _pos: Tensor, state: Any) -> Tensor:
+            g = next(groups)
+            if role == "first":
+                y, v = mixer(xg, mask=None, state=state, return_values=True)
+                flat[0].index_copy_(0, g.tokens, v.reshape(-1, v.shape[-1]))
+                return y
+            vg = flat[0].index_select(0, g.tokens).view(xg.shape)
+            return mixer(xg, mask=None, state=state, v_first=vg)
+
+        out = run_grouped(run, x, plan.layout, plan.positions, plan.state_slots, cache)
+        if role == "first":
+            plan.carry[V_FIRST] = flat
+        return out, None
+
+
 def _rwkv7(config: DecoderConfig, parts: MixerParts) -> nn.Module:
     s = _settings(config, parts)
-    return StateMixer(
+    rwkv = [i for i, spec in enumerate(config.layer_specs) if spec.mixer == "rwkv7"]
+    role = "none"
+    if s.value_residual:
+        role = "first" if parts.layer_index == rwkv[0] else "mix"
+    return RWKV7Mixer(
         mixer=RWKV7TimeMix(
             hidden_size=config.hidden_size,
             num_heads=s.num_heads or config.num_attention_heads,
             chunk_size=s.chunk_size,
+            value_residual=role,
         )
     )
 

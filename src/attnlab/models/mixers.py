@@ -25,7 +25,7 @@ from attnlab.models.flat import run_grouped
 from attnlab.models.layout import MambaLayerConfig
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.mamba import MambaMixer
-from attnlab.modules.norms import PerHeadNorm, RMSNorm
+from attnlab.modules.norms import PerHeadNorm, RMSNorm, make_norm
 
 if TYPE_CHECKING:
     from attnlab.models.decoder_config import DecoderConfig
@@ -102,8 +102,6 @@ def build_mixer(name: str, config: DecoderConfig, parts: MixerParts) -> nn.Modul
 
 def _qk_norm(config: DecoderConfig, heads: int) -> nn.Module:
     """The QK-norm of ``heads`` heads: over the whole projection or per head."""
-    from attnlab.models.decoder import make_norm  # the decoder's norm kinds; avoids a cycle
-
     assert config.head_dim is not None
     if config.qk_norm_scope == "head":
         norm = make_norm(config.norm, config.head_dim, config.norm_eps)
@@ -159,11 +157,7 @@ class StateMixer(nn.Module):
         Raises:
             TypeError: ``cache`` is not a recurrent state (e.g. a KV cache).
         """
-        if cache is not None and not isinstance(cache, RecurrentState | StateSlots):
-            raise TypeError(
-                f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
-                f"{type(cache).__name__}; build the cache with the model's new_cache()"
-            )
+        self._check_cache(cache)
         if plan.layout is not None:  # a flat serving step: states in slots, by group
             assert plan.state_slots is not None and plan.positions is not None
             assert isinstance(cache, StateSlots)
@@ -179,6 +173,14 @@ class StateMixer(nn.Module):
             return out, None
         out = self.mixer(x, mask=plan.token_mask, state=cache)
         return out, None
+
+    def _check_cache(self, cache: Any) -> None:
+        """TypeError unless ``cache`` is None, a recurrent state or serving's state slots."""
+        if cache is not None and not isinstance(cache, RecurrentState | StateSlots):
+            raise TypeError(
+                f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
+                f"{type(cache).__name__}; build the cache with the model's new_cache()"
+            )
 
 
 def _mamba_settings(config: DecoderConfig, layer_index: int) -> MambaLayerConfig:
@@ -215,5 +217,6 @@ register_mixer(
     Mixer(name="mamba", build=_mamba, new_cache=lambda config, kind, max_length: MambaState())
 )
 
-# the linear-attention and gated-recurrence mixers register themselves on import
+# the linear-attention, gated-recurrence and retention mixers register themselves on import
 from attnlab.models import linear_mixers as _linear_mixers  # noqa: E402, F401
+from attnlab.models import recurrent_mixers as _recurrent_mixers  # noqa: E402, F401

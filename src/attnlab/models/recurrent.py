@@ -14,7 +14,6 @@ inputs, and its RWKV ignores the mask).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from attnlab.cache.state_slots import StateSlots
 from attnlab.functional._checks import check_tensor
 from attnlab.functional.positions import positions_from_mask
 from attnlab.models.flat import FlatBatch, run_grouped
+from attnlab.models.lm_shell import CausalLMShell
 from attnlab.models.outputs import CausalLMOutput
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 from attnlab.modules.linear import make_linear
@@ -62,34 +62,21 @@ def _check_state_dtype(cache: ModelCache, dtype: torch.dtype) -> None:
             )
 
 
-class RecurrentLM(nn.Module):
+class RecurrentLM(CausalLMShell):
     """What the recurrent language models share: embeddings, blocks with states, LM head.
 
     Subclasses set ``embed_tokens``, ``layers`` (blocks taking ``(x, mask=, positions=,
     state=)``), ``norm_f``, ``lm_head`` (or None when tied) and implement :meth:`_new_state`.
     """
 
-    is_encoder_decoder = False
-    config: Any
-    embed_tokens: nn.Embedding
     layers: nn.ModuleList
     norm_f: nn.Module
-    lm_head: nn.Linear | None
 
     def _new_state(self, layer: int) -> RecurrentState:
         raise NotImplementedError
 
     def _embed(self, x: Tensor) -> Tensor:
         return x
-
-    def num_parameters(self) -> int:
-        """Number of parameters (tied matrices counted once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    @property
-    def output_weight(self) -> Tensor:
-        """The LM head's ``[V, D]`` matrix (the token embeddings when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, *, kind: str = "dynamic", max_length: int = 0) -> ModelCache:
         """One empty recurrent state per layer (fixed size: ``max_length`` is not needed).
@@ -184,18 +171,6 @@ class RecurrentLM(nn.Module):
             x = run_grouped(block, x, batch.layout, batch.positions, batch.state_slots, slots)
         x = self.norm_f(x.index_select(1, batch.last))  # [1, n_s, D]
         return F.linear(x, self.output_weight)[0]  # [n_s, V]
-
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
-        """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""
-        from attnlab.generation.generate import generate
-
-        return generate(self, input_ids, max_new_tokens, **kwargs)
-
-    def stream(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[Tensor]:
-        """Yield new tokens ``[B]`` as they come; see :func:`attnlab.generation.stream`."""
-        from attnlab.generation.generate import stream
-
-        return stream(self, input_ids, max_new_tokens, **kwargs)
 
     # ------------------------------------------------------------------ pieces
 

@@ -31,7 +31,6 @@ from attnlab.functional._checks import check_binary_mask, check_tensor, check_to
 from attnlab.functional.losses import shift_right, token_loss
 from attnlab.functional.masks import MaskPattern, causal, full, padding, padding_mask
 from attnlab.models._checkpoint import call_layer, checkpointing
-from attnlab.models.decoder import make_norm
 from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.models.seq2seq_config import Seq2SeqConfig
 from attnlab.modules.attention import MultiHeadAttention
@@ -39,6 +38,7 @@ from attnlab.modules.decoder_layer import CrossInputs, DecoderLayer
 from attnlab.modules.encoder_layer import EncoderLayer
 from attnlab.modules.linear import make_linear
 from attnlab.modules.mlp import FeedForward, GatedFeedForward
+from attnlab.modules.norms import make_norm
 from attnlab.modules.positions import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEmbedding,

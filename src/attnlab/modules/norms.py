@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["OffsetRMSNorm", "PerHeadNorm", "RMSNorm"]
+__all__ = ["OffsetRMSNorm", "PerHeadNorm", "RMSNorm", "make_norm"]
 
 
 class RMSNorm(nn.Module):
@@ -95,3 +95,15 @@ class PerHeadNorm(nn.Module):
         heads = x.unflatten(-1, (-1, self.head_dim))  # [..., H, h_d]
         out: Tensor = self.norm(heads)
         return out.flatten(-2)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``"rmsnorm"`` -> :class:`RMSNorm`, ``"gemma_rmsnorm"`` -> :class:`OffsetRMSNorm`,
+    ``"layernorm"`` -> ``nn.LayerNorm``."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    if kind == "gemma_rmsnorm":
+        return OffsetRMSNorm(dim, eps=eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"unknown norm {kind!r}; expected 'rmsnorm', 'gemma_rmsnorm' or 'layernorm'")

@@ -11,9 +11,15 @@ as flash-linear-attention's ``RWKV7Attention`` builds it (its parameter names):
     o = rwkv7(r, k, v, -kappa, kappa a, gk)               (:mod:`attnlab.functional.rwkv7`)
     y = o_proj((group_norm(o) + (r . k . r_k) v) g)
 
-The value residual of the paper (every layer mixing in layer 0's values) crosses layers,
-which a mixer in the decoder's one shell does not see; it is left out, as fla does for
-its first layer. The channel mix is the decoder's feed-forward.
+The value residual (the paper's section 4, "value residual learning"): the first RWKV-7
+layer's values ``v_first`` are handed to every later layer, which mixes them into its own
+by a learnt per-channel gate before the state update,
+
+    v = v + (v_first - v) sigmoid(v_lora(x_v))            (``v_lora``: rank 32, bias 1)
+
+(``value_residual="first"`` hands them on, ``"mix"`` mixes them in, ``"none"`` is off;
+:mod:`attnlab.models.linear_mixers` passes them through the forward's plan). The channel
+mix is the decoder's feed-forward.
 
 Shape notation: ``B`` batch, ``L`` tokens, ``D`` width, ``H`` heads, ``K`` head dim.
 """
@@ -44,8 +50,11 @@ def _lora(
     return nn.Sequential(*parts)
 
 
+VALUE_RESIDUAL = ("none", "first", "mix")
+
+
 class RWKV7TimeMix(nn.Module):
-    """RWKV-7's time mix (no value residual).
+    """RWKV-7's time mix.
 
     Args:
         hidden_size: ``D``.
@@ -53,6 +62,10 @@ class RWKV7TimeMix(nn.Module):
         decay_low_rank_dim, a_low_rank_dim, gate_low_rank_dim: the LoRA ranks
             (fla's defaults for small models: 64, 64, 128; capped at ``D``).
         chunk_size: tokens per chunk of the chunked form.
+        value_residual: ``"first"`` (this layer's values are the ones later layers mix
+            in: :meth:`forward` with ``return_values=True`` hands them out), ``"mix"``
+            (takes ``v_first`` and mixes it in by a learnt gate), or ``"none"``.
+        value_low_rank_dim: the value gate's LoRA rank (RWKV-7's 32; capped at ``D``).
     """
 
     def __init__(
@@ -64,8 +77,16 @@ class RWKV7TimeMix(nn.Module):
         a_low_rank_dim: int = 64,
         gate_low_rank_dim: int = 128,
         chunk_size: int = 64,
+        value_residual: str = "none",
+        value_low_rank_dim: int = 32,
     ) -> None:
         super().__init__()
+        if value_residual not in VALUE_RESIDUAL:
+            raise ValueError(
+                f"value_residual must be one of {VALUE_RESIDUAL}, got {value_residual!r}"
+            )
+        check_positive_int("value_low_rank_dim", value_low_rank_dim)
+        self.value_residual = value_residual
         for name, value in (
             ("hidden_size", hidden_size),
             ("num_heads", num_heads),
@@ -91,15 +112,52 @@ class RWKV7TimeMix(nn.Module):
         self.a_lora = _lora(d, min(a_low_rank_dim, d), d, None)
         self.g_lora = _lora(d, min(gate_low_rank_dim, d), d, nn.Sigmoid(), bias=False)
         self.g_norm = nn.GroupNorm(num_heads, d, eps=self.head_dim * 1e-5)
+        if value_residual == "mix":
+            # RWKV-7's init: the down projection zero, the bias 1 (a gate of sigmoid(1) = 0.73)
+            self.v_lora = _lora(d, min(value_low_rank_dim, d), d, None)
+            down, up = self.v_lora[0], self.v_lora[-1]
+            assert isinstance(down, nn.Linear) and isinstance(up, nn.Linear)
+            with torch.no_grad():
+                down.weight.zero_()
+                up.bias.fill_(1.0)
 
     def new_state(self) -> RWKV7State:
         return RWKV7State()
 
     def forward(
-        self, x: Tensor, *, mask: Tensor | None = None, state: RWKV7State | None = None
-    ) -> Tensor:
-        """``x [B, L, D] -> [B, L, D]``; continues from and updates ``state`` when given."""
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        state: RWKV7State | None = None,
+        v_first: Tensor | None = None,
+        return_values: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``x [B, L, D] -> [B, L, D]``; continues from and updates ``state`` when given.
+
+        Args:
+            v_first: ``[B, L, D]`` the first RWKV-7 layer's values for these tokens
+                (required by a ``value_residual="mix"`` layer, refused by the others).
+            return_values: also return this layer's values ``[B, L, D]`` (after the
+                value residual), as ``(y, v)``.
+
+        Raises:
+            ValueError: ``v_first`` missing for a mixing layer, given to another, or of
+                another shape.
+        """
         b, l, d = x.shape
+        if self.value_residual == "mix":
+            if v_first is None or v_first.shape != x.shape:
+                got = None if v_first is None else tuple(v_first.shape)
+                raise ValueError(
+                    f"this RWKV-7 layer mixes in the first layer's values: v_first must be "
+                    f"{tuple(x.shape)} (batch, seq_len, hidden), got {got}"
+                )
+        elif v_first is not None:
+            raise ValueError(
+                f"v_first given to an RWKV-7 layer with value_residual={self.value_residual!r}"
+                " (only 'mix' layers take it)"
+            )
         h, dk = self.num_heads, self.head_dim
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)  # padding reads as the zeros before a row
@@ -110,6 +168,8 @@ class RWKV7TimeMix(nn.Module):
             x + delta * getattr(self, n) for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
         )
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        if v_first is not None:
+            v = torch.lerp(v, v_first.to(v.dtype), torch.sigmoid(self.v_lora(xv)))
         gk = -math.exp(-0.5) * torch.sigmoid(self.w_lora(xw))
         a = torch.sigmoid(self.a_lora(xa))
         g = self.g_lora(xg)
@@ -155,4 +215,5 @@ class RWKV7TimeMix(nn.Module):
         o = self.g_norm(o.transpose(1, 2).reshape(b * l, d)).view(b, l, d)
         bonus = (r.view(b, l, h, dk) * k.view(b, l, h, dk) * self.r_k).sum(-1, keepdim=True)
         o = o + (bonus * v.view(b, l, h, dk)).view(b, l, d)
-        return self.o_proj(o * g)
+        y = self.o_proj(o * g)
+        return (y, v) if return_values else y

@@ -6,7 +6,8 @@ thread for an asyncio server; :mod:`attnlab.serving.openai_api` builds the HTTP 
 """
 
 from attnlab.serving.async_engine import AsyncEngine
-from attnlab.serving.engine import CompletionDelta, Engine, QueueFull, RequestOutput
+from attnlab.serving.engine import Engine, QueueFull
+from attnlab.serving.outputs import CompletionDelta, RequestOutput
 from attnlab.serving.params import ParamError, SamplingParams
 from attnlab.serving.server import BackgroundServer, load_engine
 

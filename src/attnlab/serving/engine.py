@@ -1,21 +1,29 @@
-"""The serving engine: continuous batching over a paged KV cache.
+"""The serving engine: the loop that calls the serving roles, one step at a time.
 
 Requests join and leave at every step (iteration-level scheduling, Yu et al., 2022,
-"Orca"). Each :meth:`Engine.step` builds one batch under a token budget: first one
-token for every decoding sequence, then chunks of prompts still being prefilled
-(chunked prefill, Agrawal et al., 2023, "Sarathi"), then new requests in arrival
-order while blocks and budget last. Keys/values live in a
-:class:`~attnlab.cache.paged.PagedKVPool` (Kwon et al., 2023): a prompt whose leading
-blocks are cached is not recomputed, the ``n`` choices of a request share the
-prompt's blocks (copy-on-write), and when the pool runs out the latest-arrived
-running sequence is preempted: its blocks are freed and it is recomputed later from
-its tokens, so no sequence is ever corrupted and the engine never fails for memory.
+"Orca"). Each :meth:`Engine.step` calls, in order:
 
-The step is one flat forward (:class:`~attnlab.serving.runner.ModelRunner`): every
-scheduled token of every sequence in one ``[1, N]`` row with its own position, no
-padding computed, attention layers over the paged pool and recurrent layers over one
-state slot per sequence, so the engine adds no attention math of its own and serves
-every decoder attnlab builds (attention, Mamba/Mamba-2/RWKV/RetNet, hybrids).
+* the :class:`~attnlab.serving.scheduler.Scheduler` (torch-free): which tokens of which
+  sequences run, under a token budget (decode tokens, then prefill chunks, Agrawal et
+  al., 2023, "Sarathi", then new requests), their blocks reserved in the torch-free
+  :class:`~attnlab.cache.paged.manager.KVManager` (block tables, prefix hashing,
+  reference counts; Kwon et al., 2023); when blocks run out, the latest-arrived
+  sequence is preempted and recomputed later, so no step fails for memory;
+* the KV storage (:class:`~attnlab.cache.paged.storage.KVStorage`): the step's
+  copy-on-write block copies;
+* the :class:`~attnlab.serving.runner.ModelRunner`: one flat forward of every
+  scheduled token in one ``[1, N]`` row, no padding computed, attention layers over the
+  paged pool and recurrent layers over one state slot per sequence (so every decoder
+  attnlab builds is served: attention, Mamba/Mamba-2/RWKV/RetNet, hybrids);
+* the sampler (:func:`~attnlab.serving.step_sampling.sample_step`): one batched call
+  for the sequences whose next token is due, a failure kept to its sequence;
+* the :class:`~attnlab.serving.output_processor.OutputProcessor`: detokenise, apply the
+  stop rules, and gather each request's news into
+  :class:`~attnlab.serving.outputs.RequestOutput` objects.
+
+The engine itself keeps the requests' lifecycle: admission checks
+(:func:`~attnlab.serving.validation.validate_request`), the ``n`` choices forked from
+the prompt's blocks, aborts, and the failure of one request without the others.
 
 Threads: the engine is not thread-safe; one thread calls :meth:`add_request`,
 :meth:`abort` and :meth:`step`. :class:`~attnlab.serving.async_engine.AsyncEngine`
@@ -28,11 +36,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,112 +47,21 @@ from torch import Tensor, nn
 from attnlab._validate import check_int, check_positive_int
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.metrics import EngineMetrics
-from attnlab.serving.params import ParamError, SamplingParams
+from attnlab.serving.output_processor import OutputProcessor
+from attnlab.serving.outputs import CompletionDelta, Request, RequestOutput, Seq, TokenLogprob
+from attnlab.serving.params import SamplingParams
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 from attnlab.serving.scheduler import Scheduler
 from attnlab.serving.step_sampling import sample_step
+from attnlab.serving.validation import validate_request
 
-__all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput"]
+__all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput", "TokenLogprob"]
 
 log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
     """The waiting queue is full (the server answers 429)."""
-
-
-@dataclass
-class TokenLogprob:
-    """The log-probability of a chosen token and of the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class CompletionDelta:
-    """What one choice produced since the last output.
-
-    Attributes:
-        index: the choice's index (``0..n-1``).
-        text: new text (complete UTF-8 characters only).
-        token_ids: new token ids.
-        logprobs: one entry per new token when requested.
-        finish_reason: ``"stop"`` (EOS, a stop string or token, a complete grammar),
-            ``"length"``, ``"abort"``, ``"error"``, or None.
-        error: why the request failed (with ``finish_reason="error"``; offline results).
-    """
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """One step's news for one request.
-
-    Attributes:
-        request_id: the request.
-        outputs: the choices that changed.
-        finished: every choice is done.
-        prompt_tokens: prompt length.
-        cached_tokens: prompt tokens taken from the prefix cache.
-        error: why the request failed inside a step (it alone; the engine goes on).
-    """
-
-    request_id: str
-    outputs: list[CompletionDelta]
-    finished: bool
-    prompt_tokens: int
-    cached_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival: float
-    order: int
-    seqs: list[_Seq] = field(default_factory=list)
-    forked: bool = False
-    cached_tokens: int = 0
-    first_token_time: float | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or (
-            bool(self.seqs)
-            and all(s.finish_reason is not None for s in self.seqs)
-            and (self.forked or self.params.n == 1)
-        )
-
-
-@dataclass
-class _Seq:
-    seq_id: int
-    request: _Request
-    index: int
-    generator: torch.Generator | None
-    detok: IncrementalDetokenizer
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""  # all text so far (stop strings cut)
-    sent: int = 0  # characters of ``text`` already returned
-    finish_reason: str | None = None
-    in_pool: bool = False
-    pending: CompletionDelta | None = None
-    matcher: Any = None  # the grammar's parser state (a GrammarMatcher) or None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompt_ids + self.output_ids
 
 
 class Engine:
@@ -243,10 +158,8 @@ class Engine:
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
-        self.eos_ids: set[int] = (
-            set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
-        )
-        self.requests: dict[str, _Request] = {}
+        eos_ids: set[int] = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+        self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(
             self.pool.manager,
             max_num_seqs=max_num_seqs,
@@ -257,57 +170,32 @@ class Engine:
         self._seq_ids = itertools.count()
         self._order = itertools.count()
         self.metrics = EngineMetrics()
+        self.output = OutputProcessor(
+            eos_ids=eos_ids, max_model_len=self.max_model_len, metrics=self.metrics
+        )
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % (1 << 31)))
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """The end-of-sequence tokens (the tokenizer's, else the config's)."""
+        return self.output.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.output.eos_ids = set(ids)
 
     # ------------------------------------------------------------------ requests
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Check a request against the context; raise :class:`ParamError` naming the field."""
-        vocab = self.vocab_size
-        if len(prompt_ids) == 0:
-            raise ParamError("prompt", "the prompt is empty")
-        bad = next(
-            (t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)),
-            None,
+        validate_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.pool.block_size,
+            num_blocks=self.pool.num_blocks,
         )
-        if bad is not None:  # int(1.7) would silently make it token 1
-            raise ParamError(
-                "prompt", f"token ids must be ints, got {bad!r} ({type(bad).__name__})"
-            )
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ParamError("prompt", f"token ids must lie in [0, {vocab})")
-        for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            if any(t >= vocab for t in ids):
-                raise ParamError(
-                    name, f"{name}: token ids must lie in [0, {vocab}), got {max(ids)}"
-                )
-        grammar = params.grammar
-        if grammar is not None and getattr(grammar, "vocab_size", vocab) != vocab:
-            raise ParamError(
-                "response_format",
-                f"the grammar was compiled for {grammar.vocab_size} tokens, the model has {vocab}",
-            )
-        if len(prompt_ids) >= self.max_model_len:
-            raise ParamError(
-                "prompt",
-                f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}, "
-                "which leaves no room for a completion",
-            )
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ParamError(
-                "max_tokens",
-                f"max_tokens={params.max_tokens} with a {len(prompt_ids)}-token prompt exceeds "
-                f"the context of {self.max_model_len} tokens",
-            )
-        blocks = -(-(len(prompt_ids) + params.max_tokens) // self.pool.block_size)
-        if blocks > self.pool.num_blocks:
-            raise ParamError(
-                "max_tokens",
-                f"the request needs {blocks} KV blocks, the pool has {self.pool.num_blocks}",
-            )
 
     def add_request(
         self,
@@ -331,18 +219,18 @@ class Engine:
             raise QueueFull(
                 f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})"
             )
-        req = _Request(request_id, ids, params, time.perf_counter(), next(self._order))
+        req = Request(request_id, ids, params, time.perf_counter(), next(self._order))
         self.requests[request_id] = req
         seq = self._new_seq(req, 0)
         self.waiting.append(seq)
         self.metrics.requests_received += 1
 
-    def _new_seq(self, req: _Request, index: int) -> _Seq:
+    def _new_seq(self, req: Request, index: int) -> Seq:
         gen = None
         p = req.params
         if not p.greedy and p.seed is not None:  # seed <= 2**63 - 1: seed + index fits torch
             gen = torch.Generator().manual_seed(p.seed + index)
-        seq = _Seq(
+        seq = Seq(
             next(self._seq_ids),
             req,
             index,
@@ -378,7 +266,7 @@ class Engine:
         self.metrics.requests_aborted += 1
         return True
 
-    def _fail(self, req: _Request, error: str) -> None:
+    def _fail(self, req: Request, error: str) -> None:
         """Fail one request inside a step: free its blocks, keep the error for its client."""
         if req.error is not None:
             return
@@ -389,7 +277,7 @@ class Engine:
                 seq.finish_reason = "error"
             self._drop(seq)
 
-    def _drop(self, seq: _Seq) -> None:
+    def _drop(self, seq: Seq) -> None:
         if seq.in_pool:
             self.pool.free(seq.seq_id)
             self.runner.release(seq.seq_id)
@@ -400,12 +288,12 @@ class Engine:
             self.waiting.remove(seq)
 
     @property
-    def waiting(self) -> deque[_Seq]:
+    def waiting(self) -> deque[Seq]:
         """Sequences waiting to (re)enter the pool, in order."""
         return self.scheduler.waiting
 
     @property
-    def running(self) -> list[_Seq]:
+    def running(self) -> list[Seq]:
         """Sequences holding blocks."""
         return self.scheduler.running
 
@@ -423,13 +311,13 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
 
-    def _admitted(self, seq: _Seq, cached: int) -> None:
+    def _admitted(self, seq: Seq, cached: int) -> None:
         if seq.index == 0 and not seq.output_ids:
             seq.request.cached_tokens = cached
             self.metrics.prompt_tokens += len(seq.tokens)
             self.metrics.cached_prompt_tokens += cached
 
-    def _preempted(self, seq: _Seq) -> None:
+    def _preempted(self, seq: Seq) -> None:
         self.runner.release(seq.seq_id)
         self.metrics.preemptions += 1
 
@@ -474,8 +362,8 @@ class Engine:
         )
         return self._collect()
 
-    def _sample(self, logits: Tensor, done: list[tuple[int, _Seq]]) -> None:
-        pairs: list[tuple[int, _Seq]] = []
+    def _sample(self, logits: Tensor, done: list[tuple[int, Seq]]) -> None:
+        pairs: list[tuple[int, Seq]] = []
         for r, seq in done:
             req = seq.request
             p = req.params
@@ -508,90 +396,16 @@ class Engine:
             except Exception as e:  # a grammar or detokeniser fault fails this request alone
                 self._fail(s.request, f"{type(e).__name__}: {e}")
 
-    def _append(self, seq: _Seq, tok: int, lp: TokenLogprob | None) -> None:
-        req, p = seq.request, seq.request.params
-        now = time.perf_counter()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.metrics.record_ttft(now - req.arrival)
-        self.metrics.generation_tokens += 1
-        seq.output_ids.append(tok)
-        delta = seq.pending or CompletionDelta(index=seq.index)
-        seq.pending = delta
-        delta.token_ids.append(tok)
-        if lp is not None:
-            delta.logprobs.append(lp)
-        reason = None
-        if seq.matcher is not None:
-            seq.matcher.advance(tok)
-        if tok in self.eos_ids and not p.ignore_eos:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason = "stop"
-            if p.include_stop_str_in_output:
-                seq.text += seq.detok.add(tok) + seq.detok.flush()
-        else:
-            seq.text += seq.detok.add(tok)
-        if reason is None and p.stop and len(seq.output_ids) >= p.min_tokens:
-            cut = self._find_stop(seq.text, p.stop, keep=p.include_stop_str_in_output)
-            if cut is not None:
-                seq.text = seq.text[:cut]
-                reason = "stop"
-        if reason is None and seq.matcher is not None and seq.matcher.done:
-            seq.text += seq.detok.flush()
-            reason = "stop"
-        if reason is None and (
-            len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len
-        ):
-            reason = "length"
+    def _append(self, seq: Seq, tok: int, lp: TokenLogprob | None) -> None:
+        reason = self.output.process(seq, tok, lp)
         if reason is not None:
-            if reason == "length":
-                seq.text += seq.detok.flush()
-            self._finish(seq, reason)
+            seq.finish_reason = reason
+            self._drop(seq)
         else:
             self.pool.append_tokens(seq.seq_id, [tok])
 
-    @staticmethod
-    def _find_stop(text: str, stops: tuple[str, ...], *, keep: bool = False) -> int | None:
-        """Where the text ends at its first stop string (after it when ``keep``), or None."""
-        hits = [(i, i + len(s) if keep else i) for s in stops if (i := text.find(s)) >= 0]
-        return min(hits)[1] if hits else None
-
-    def _finish(self, seq: _Seq, reason: str) -> None:
-        seq.finish_reason = reason
-        self._drop(seq)
-
     def _collect(self) -> list[RequestOutput]:
-        outs: list[RequestOutput] = []
-        for rid, req in list(self.requests.items()):
-            deltas: list[CompletionDelta] = []
-            for seq in req.seqs:
-                d = seq.pending
-                hold = 0
-                if seq.finish_reason is None and req.params.stop:
-                    hold = max(len(s) for s in req.params.stop) - 1
-                upto = max(seq.sent, len(seq.text) - hold)
-                if d is None and upto == seq.sent and seq.finish_reason is None:
-                    continue
-                d = d or CompletionDelta(index=seq.index)
-                d.text = seq.text[seq.sent : upto]
-                seq.sent = upto
-                if seq.finish_reason is not None and seq.sent == len(seq.text):
-                    d.finish_reason = seq.finish_reason
-                seq.pending = None
-                if d.token_ids or d.text or d.finish_reason:
-                    deltas.append(d)
-            finished = req.finished
-            if deltas or finished:
-                outs.append(
-                    RequestOutput(
-                        rid, deltas, finished, len(req.prompt_ids), req.cached_tokens, req.error
-                    )
-                )
-            if finished:
-                del self.requests[rid]
-                self.metrics.requests_finished += 1
-        return outs
+        return self.output.collect(self.requests)
 
     # ------------------------------------------------------------------ offline use
 

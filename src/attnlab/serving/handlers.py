@@ -14,7 +14,8 @@ from typing import Any
 
 from attnlab.serving.access_log import record_usage
 from attnlab.serving.async_engine import AsyncEngine
-from attnlab.serving.engine import CompletionDelta, QueueFull, RequestOutput, TokenLogprob
+from attnlab.serving.engine import QueueFull
+from attnlab.serving.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from attnlab.serving.params import ParamError, SamplingParams
 from attnlab.serving.protocol import (
     COMPLETION_FIELDS,

@@ -26,16 +26,14 @@ sentence-transformers load as they load the teacher (config, safetensors, tokeni
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import functools
 import json
 import logging
 import shutil
-import sysconfig
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,15 +49,23 @@ from attnlab.functional.distill import (
     hidden_state_loss,
     similarity_relation_loss,
 )
+from attnlab.train.distill_data import HELD_OUT_PERCENT, spearman, stdlib_sentences
+from attnlab.train.distill_data import length_grouped_batches as _length_grouped_batches
+from attnlab.train.distill_data import pairwise_cosines as _pairwise_cos
+from attnlab.train.distill_data import trim as _trim
 from attnlab.train.guard import check_step_finite
 from attnlab.train.trainer import lr_multiplier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistillConfig", "DistillResult", "distill_sentence_encoder", "stdlib_sentences"]
-
-#: Share of the standard library's files whose sentences are held out (by path hash).
-HELD_OUT_PERCENT = 12
+__all__ = [
+    "HELD_OUT_PERCENT",
+    "DistillConfig",
+    "DistillResult",
+    "distill_sentence_encoder",
+    "spearman",
+    "stdlib_sentences",
+]
 
 #: Files of the sentence-transformers folder layout copied from the teacher unchanged.
 _ST_FILES = (
@@ -178,66 +184,6 @@ class DistillResult:
         return asdict(self)
 
 
-# ---------------------------------------------------------------------------- data
-
-
-def _docstring_sentences(source: str) -> Iterator[str]:
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            doc = ast.get_docstring(node)
-            if not doc:
-                continue
-            for para in doc.split("\n\n"):
-                text = " ".join(para.split())
-                if 20 <= len(text) <= 400 and not text.startswith((">>>", "..")):
-                    yield text
-
-
-@functools.lru_cache(maxsize=2)
-def _all_stdlib_sentences(held_out: bool) -> tuple[str, ...]:
-    from attnlab.train.data import _bucket, stdlib_files
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    seen: set[str] = set()
-    out: list[str] = []
-    for p in stdlib_files():
-        if "test" in p.parts or "tests" in p.parts:
-            continue
-        if (_bucket(p, root) < HELD_OUT_PERCENT) != held_out:
-            continue
-        try:
-            src = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        for s in _docstring_sentences(src):
-            if s not in seen:
-                seen.add(s)
-                out.append(s)
-    return tuple(out)
-
-
-def stdlib_sentences(*, held_out: bool, limit: int, seed: int = 0) -> list[str]:
-    """Docstring paragraphs from the Python standard library's source, deduplicated.
-
-    Files are split by the hash of their path that :mod:`attnlab.train.data` splits text
-    with (:data:`HELD_OUT_PERCENT` of them held out), so held-out sentences come from files
-    the training split never saw.
-
-    Args:
-        held_out: the held-out split (else the training split).
-        limit: at most this many sentences (a seeded sample when there are more).
-        seed: the sample's seed.
-    """
-    out = _all_stdlib_sentences(held_out)
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(out), generator=g).tolist()
-    return [out[i] for i in order[:limit]]
-
-
 # ---------------------------------------------------------------------------- model pieces
 
 
@@ -260,33 +206,6 @@ def _embed(model: Any, batch: dict[str, Tensor], **kw: Any) -> tuple[Tensor, Any
     return emb, out
 
 
-def _length_grouped_batches(
-    sents: Sequence[str], batch_size: int, g: torch.Generator, *, group: int = 64
-) -> list[list[int]]:
-    """One epoch of batches of similar-length sentences, in random order.
-
-    The epoch is shuffled, cut into runs of ``group`` batches, each run sorted by length
-    and cut into batches (the "group by length" sampling of transformers' Trainer): a batch
-    is padded to its longest sentence, and docstring paragraphs run from 20 to 400
-    characters, so random batches spend most of their tokens on padding.
-    """
-    order = torch.randperm(len(sents), generator=g).tolist()
-    span = batch_size * group
-    out: list[list[int]] = []
-    for s in range(0, len(order), span):
-        run = sorted(order[s : s + span], key=lambda i: len(sents[i]))
-        out += [run[j : j + batch_size] for j in range(0, len(run), batch_size)]
-    out = [b for b in out if len(b) == batch_size] or out
-    perm = torch.randperm(len(out), generator=g).tolist()
-    return [out[i] for i in perm]
-
-
-def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``batch`` without the columns that are padding in every row."""
-    keep = int(batch["attention_mask"].sum(1).max())
-    return {k: v[:, :keep] for k, v in batch.items()}
-
-
 def make_student(teacher: torch.nn.Module, layers: Sequence[int]) -> torch.nn.Module:
     """A copy of ``teacher`` keeping only ``layers`` (embeddings and the rest copied)."""
     n = len(teacher.layers)  # type: ignore[arg-type]
@@ -297,35 +216,6 @@ def make_student(teacher: torch.nn.Module, layers: Sequence[int]) -> torch.nn.Mo
     student.layers = torch.nn.ModuleList(copy.deepcopy(teacher.layers[i]) for i in layers)  # type: ignore[index, misc]
     student.config = dataclasses.replace(teacher.config, num_hidden_layers=len(layers))  # type: ignore[type-var, arg-type]
     return student
-
-
-def spearman(a: Tensor, b: Tensor) -> float:
-    """Spearman rank correlation of two 1-D tensors (average ranks for ties)."""
-
-    def rank(x: Tensor) -> Tensor:
-        x = x.double()
-        order = torch.argsort(x)
-        r = torch.empty_like(x)
-        r[order] = torch.arange(len(x), dtype=torch.float64)
-        # average the ranks of ties
-        uniq, inv = torch.unique(x, return_inverse=True)
-        if len(uniq) < len(x):
-            sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, r)
-            counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(
-                0, inv, torch.ones_like(r)
-            )
-            r = (sums / counts)[inv]
-        return r
-
-    ra, rb = rank(a), rank(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
-
-
-def _pairwise_cos(emb: Tensor) -> Tensor:
-    sim = emb @ emb.T
-    iu = torch.triu_indices(len(emb), len(emb), offset=1)
-    return sim[iu[0], iu[1]]
 
 
 @torch.no_grad()
@@ -374,24 +264,90 @@ def distill_sentence_encoder(
     Returns:
         :class:`DistillResult`.
     """
-    import attnlab
-    from attnlab.interop.hf import require_transformers
-
     cfg = config or DistillConfig()
     if out is not None:  # before the work: an unwritable out fails at once, not after training
         _check_out(Path(out))
+    run = _setup(teacher_dir, cfg)
+    teacher, student, tokenize = run.teacher, run.student, run.tokenize
+    train = stdlib_sentences(held_out=False, limit=cfg.train_sentences, seed=cfg.seed)
+    held = stdlib_sentences(held_out=True, limit=cfg.eval_sentences, seed=cfg.seed)
+    if len(train) < cfg.batch_size or len(held) < 10:
+        raise ValueError(
+            f"too few sentences found in the standard library ({len(train)} train, "
+            f"{len(held)} held out)"
+        )
+
+    teacher_emb, _ = _encode_all(teacher, tokenize, held, cfg.batch_size)
+    target = _pairwise_cos(teacher_emb)
+    student.eval()
+    init_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
+    rho0 = spearman(_pairwise_cos(init_emb), target)
+    student.train()
+
+    t0 = time.perf_counter()
+    loss_val = _train(run, cfg, train, progress)
+    seconds = time.perf_counter() - t0
+    student.eval()
+
+    s_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
+    rho = spearman(_pairwise_cos(s_emb), target)
+
+    # speed on the CPU: alternate teacher and student on the same batches, best of each
+    teacher.cpu()
+    student.cpu()
+    t_teacher = t_student = float("inf")
+    for _ in range(3):
+        t_teacher = min(t_teacher, _encode_all(teacher, tokenize, held, cfg.batch_size)[1])
+        t_student = min(t_student, _encode_all(student, tokenize, held, cfg.batch_size)[1])
+
+    saved = None
+    if out is not None:
+        saved = str(save_student(student, run.teacher_dir, Path(out)))
+    return DistillResult(
+        spearman=rho,
+        spearman_at_init=rho0,
+        teacher_sentences_per_s=len(held) / t_teacher,
+        student_sentences_per_s=len(held) / t_student,
+        speedup=t_teacher / t_student,
+        teacher_layers=len(teacher.layers),  # type: ignore[arg-type]
+        student_layers=len(student.layers),  # type: ignore[arg-type]
+        steps=cfg.steps,
+        final_loss=loss_val,
+        seconds=seconds,
+        out=saved,
+        device=str(run.device),
+        threads=torch.get_num_threads(),
+    )
+
+
+@dataclass
+class _Run:
+    """The teacher, the student, the tokenizer and the device of one distillation."""
+
+    teacher_dir: Path
+    teacher: Any
+    student: Any
+    tokenize: Callable[[list[str]], dict[str, Tensor]]
+    device: torch.device
+
+
+def _setup(teacher_dir: str | Path | None, cfg: DistillConfig) -> _Run:
+    """Load the teacher and its tokenizer, make the student, put both on the device."""
+    import attnlab
+    from attnlab.interop.hf import require_transformers
+
     if teacher_dir is None:
         from attnlab.interop.pretrained import minilm_path
 
         teacher_dir = minilm_path()
     from attnlab.interop.checkpoints import check_model_folder
 
-    teacher_dir = check_model_folder(teacher_dir)
+    folder = check_model_folder(teacher_dir)
     tf = require_transformers()
     tf.utils.logging.disable_progress_bar()
-    tokenizer = tf.AutoTokenizer.from_pretrained(teacher_dir)
+    tokenizer = tf.AutoTokenizer.from_pretrained(folder)
     max_len = cfg.max_length
-    st_cfg = teacher_dir / "sentence_bert_config.json"
+    st_cfg = folder / "sentence_bert_config.json"
     if st_cfg.is_file():
         max_len = min(max_len, int(json.loads(st_cfg.read_text())["max_seq_length"]))
 
@@ -408,28 +364,18 @@ def distill_sentence_encoder(
         raise ValueError(f"device {name!r}: CUDA is not available here; use 'cpu'")
     device = torch.device(name)
     torch.manual_seed(cfg.seed)
-    teacher = attnlab.from_hf(teacher_dir).eval()
+    teacher = attnlab.from_hf(folder).eval()
     student = make_student(teacher, cfg.layers).train()
     for p in teacher.parameters():
         p.requires_grad_(False)
     teacher.to(device)
     student.to(device)
+    return _Run(folder, teacher, student, tokenize, device)
 
-    train = stdlib_sentences(held_out=False, limit=cfg.train_sentences, seed=cfg.seed)
-    held = stdlib_sentences(held_out=True, limit=cfg.eval_sentences, seed=cfg.seed)
-    if len(train) < cfg.batch_size or len(held) < 10:
-        raise ValueError(
-            f"too few sentences found in the standard library ({len(train)} train, "
-            f"{len(held)} held out)"
-        )
 
-    teacher_emb, _ = _encode_all(teacher, tokenize, held, cfg.batch_size)
-    target = _pairwise_cos(teacher_emb)
-    student.eval()
-    init_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
-    rho0 = spearman(_pairwise_cos(init_emb), target)
-    student.train()
-
+def _train(run: _Run, cfg: DistillConfig, train: list[str], progress: bool) -> float:
+    """``cfg.steps`` optimizer steps of the student on ``train``; the last loss."""
+    student = run.student
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01)
     warm = max(1, cfg.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -446,39 +392,13 @@ def distill_sentence_encoder(
         except ImportError:  # the `train` extra is not installed: no bar
             bar = None
     loss_val = float("nan")
-    token_terms = cfg.attention_weight > 0 or cfg.hidden_weight > 0
     cached: dict[int, Tensor] = {}  # teacher embeddings by sentence, when only they are used
-    t0 = time.perf_counter()
     for _ in range(cfg.steps):
         if not batches:
             batches = _length_grouped_batches(train, cfg.batch_size, g)
         idx = batches.pop()
-        batch = {k: v.to(device) for k, v in tokenize([train[i] for i in idx]).items()}
-        want_attn = cfg.attention_weight > 0
-        t_out = None
-        with torch.no_grad():
-            if token_terms:
-                t_emb, t_out = _embed(teacher, batch, output_attentions=want_attn)
-            else:
-                new = [j for j, i in enumerate(idx) if i not in cached]
-                if new:
-                    sub = {k: v[new] for k, v in batch.items()}
-                    fresh, _ = _embed(teacher, _trim(sub))
-                    cached.update({idx[j]: e for j, e in zip(new, fresh, strict=True)})
-                t_emb = torch.stack([cached[i] for i in idx])
-        s_emb, s_out = _embed(student, batch, output_attentions=want_attn)
-        mask = batch["attention_mask"]
-        loss = cfg.embedding_weight * (s_emb - t_emb).pow(2).sum(-1).mean()
-        if cfg.similarity_weight > 0:
-            loss = loss + cfg.similarity_weight * similarity_relation_loss(s_emb, t_emb)
-        if t_out is not None and cfg.hidden_weight > 0:
-            loss = loss + cfg.hidden_weight * hidden_state_loss(
-                s_out.last_hidden_state, t_out.last_hidden_state, mask=mask
-            )
-        if t_out is not None and want_attn:
-            loss = loss + cfg.attention_weight * attention_kl(
-                s_out.attentions[-1], t_out.attentions[-1], mask=mask
-            )
+        batch = {k: v.to(run.device) for k, v in run.tokenize([train[i] for i in idx]).items()}
+        loss = _loss(run, cfg, batch, idx, cached)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0))
@@ -498,38 +418,45 @@ def distill_sentence_encoder(
             bar.set_postfix(loss=f"{loss_val:.4f}")
     if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - t0
-    student.eval()
+    return loss_val
 
-    s_emb, _ = _encode_all(student, tokenize, held, cfg.batch_size)
-    rho = spearman(_pairwise_cos(s_emb), target)
 
-    # speed on the CPU: alternate teacher and student on the same batches, best of each
-    teacher.cpu()
-    student.cpu()
-    t_teacher = t_student = float("inf")
-    for _ in range(3):
-        t_teacher = min(t_teacher, _encode_all(teacher, tokenize, held, cfg.batch_size)[1])
-        t_student = min(t_student, _encode_all(student, tokenize, held, cfg.batch_size)[1])
-
-    saved = None
-    if out is not None:
-        saved = str(save_student(student, teacher_dir, Path(out)))
-    return DistillResult(
-        spearman=rho,
-        spearman_at_init=rho0,
-        teacher_sentences_per_s=len(held) / t_teacher,
-        student_sentences_per_s=len(held) / t_student,
-        speedup=t_teacher / t_student,
-        teacher_layers=len(teacher.layers),  # type: ignore[arg-type]
-        student_layers=len(student.layers),  # type: ignore[arg-type]
-        steps=cfg.steps,
-        final_loss=loss_val,
-        seconds=seconds,
-        out=saved,
-        device=str(device),
-        threads=torch.get_num_threads(),
-    )
+def _loss(
+    run: _Run,
+    cfg: DistillConfig,
+    batch: dict[str, Tensor],
+    idx: list[int],
+    cached: dict[int, Tensor],
+) -> Tensor:
+    """The weighted distillation loss of one batch (``idx``: its sentences; ``cached``:
+    the teacher's embeddings kept when only sentence-level terms are on)."""
+    token_terms = cfg.attention_weight > 0 or cfg.hidden_weight > 0
+    want_attn = cfg.attention_weight > 0
+    t_out = None
+    with torch.no_grad():
+        if token_terms:
+            t_emb, t_out = _embed(run.teacher, batch, output_attentions=want_attn)
+        else:
+            new = [j for j, i in enumerate(idx) if i not in cached]
+            if new:
+                sub = {k: v[new] for k, v in batch.items()}
+                fresh, _ = _embed(run.teacher, _trim(sub))
+                cached.update({idx[j]: e for j, e in zip(new, fresh, strict=True)})
+            t_emb = torch.stack([cached[i] for i in idx])
+    s_emb, s_out = _embed(run.student, batch, output_attentions=want_attn)
+    mask = batch["attention_mask"]
+    loss = cfg.embedding_weight * (s_emb - t_emb).pow(2).sum(-1).mean()
+    if cfg.similarity_weight > 0:
+        loss = loss + cfg.similarity_weight * similarity_relation_loss(s_emb, t_emb)
+    if t_out is not None and cfg.hidden_weight > 0:
+        loss = loss + cfg.hidden_weight * hidden_state_loss(
+            s_out.last_hidden_state, t_out.last_hidden_state, mask=mask
+        )
+    if t_out is not None and want_attn:
+        loss = loss + cfg.attention_weight * attention_kl(
+            s_out.attentions[-1], t_out.attentions[-1], mask=mask
+        )
+    return loss
 
 
 def _check_out(out: Path) -> None:

@@ -1,0 +1,237 @@
+"""The compiled decode step of ``generate``: when it runs, how it is built, what it cost.
+
+``generate`` takes its fastest exact path by default (``compile=None``): the model's own
+:meth:`~attnlab.models.decoder.DecoderLM.decode_step` compiled by ``torch.compile`` over
+a :class:`~attnlab.cache.StaticKVCache` (fixed shapes, the slot as a tensor, no graph
+break; gpt-fast's recipe, with no second copy of the forward) when
+:func:`compile_decision` finds it possible and worth its cost, eagerly otherwise. The
+first call for a new batch size or cache length compiles (10-20 s cold on 2 cores,
+seconds with inductor's on-disk cache under ``$TMPDIR/torchinductor_<user>``); the time
+is logged on the ``attnlab.generation`` logger and kept in :func:`compile_report`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnlab.generation.inputs import check_cache_room, check_fresh_cache
+
+__all__ = [
+    "AUTO_COMPILE_MIN_NEW_TOKENS",
+    "COMPILED_STEP_GRAPHS",
+    "STATIC_BUCKET",
+    "CompileDecision",
+    "bucket_slots",
+    "compile_decision",
+    "compile_report",
+    "compiled_decode_step",
+    "static_cache",
+]
+
+logger = logging.getLogger("attnlab.generation")
+
+#: Static caches of compiled generation hold a multiple of this many slots.
+STATIC_BUCKET = 128
+
+#: ``compile=None`` compiles when a run asks for at least this many new tokens: below it
+#: a cold compile (10-20 s) costs more than the eager steps it would save.
+AUTO_COMPILE_MIN_NEW_TOKENS = 128
+
+#: Decode-step graphs one process may compile (one per model, batch size and cache-length
+#: bucket). dynamo's own limit (8) counts every graph of ``DecoderLM.decode_step``'s code
+#: object, whichever model it belongs to, and ``fullgraph=True`` turns reaching it into a
+#: crash on the ninth model or shape.
+COMPILED_STEP_GRAPHS = 64
+
+
+def bucket_slots(needed: int) -> int:
+    """Slots of a compiled generation's static cache: ``needed`` rounded up to a bucket."""
+    return -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """Whether a generation runs the compiled decode step, and why.
+
+    Attributes:
+        compile: run the compiled step.
+        reason: the rule that decided (the first one that refused, or why it compiles).
+    """
+
+    compile: bool
+    reason: str
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why this model's decode step cannot be compiled, or None."""
+    config: Any = getattr(model, "config", None)
+    if getattr(model, "is_encoder_decoder", False) or not hasattr(model, "decode_step"):
+        return (
+            f"compile=True compiles a decoder-only model's decode step; {type(model).__name__} "
+            "has none: use compile=False"
+        )
+    rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
+    if rope_type in ("dynamic", "longrope"):
+        return (
+            "compile=True needs fixed RoPE frequencies; "
+            + ("dynamic NTK" if rope_type == "dynamic" else "LongRoPE")
+            + " scaling changes them with the length: use compile=False"
+        )
+    return None
+
+
+def compiler_available() -> str | None:
+    """Why ``torch.compile`` cannot build a CPU graph here (no dynamo, no C++ compiler), or None."""
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported on this Python"
+    if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+        return "no C++ compiler on PATH (inductor needs one for CPU graphs)"
+    return None
+
+
+def compile_decision(
+    model: nn.Module,
+    max_new_tokens: int,
+    *,
+    compile: bool | None = None,
+    cache: Any = None,
+    kv_dtype: str | None = None,
+    eos_token_id: Any = None,
+    batch_size: int = 1,
+    prompt_length: int = 1,
+) -> CompileDecision:
+    """Whether ``generate(model, ..., compile=compile)`` runs the compiled decode step.
+
+    ``compile=True`` or ``False`` is obeyed (True raises where it cannot run);
+    ``compile=None`` compiles a decoder-only model in eval mode when nothing prevents it
+    (no ``kv_dtype`` or user cache, fixed RoPE, a C++ compiler) and the compile is paid
+    for: a graph of this shape (batch size, cache bucket) exists already, or the run has
+    a known length (no ``eos_token_id``: with one, an answer may end after a few tokens)
+    of at least :data:`AUTO_COMPILE_MIN_NEW_TOKENS` new tokens.
+
+    Raises:
+        ValueError: ``compile=True`` for a model whose step cannot be compiled.
+    """
+    if compile is False:
+        return CompileDecision(False, "compile=False")
+    refusal = _refusal(model)
+    if compile:
+        if refusal is not None:
+            raise ValueError(refusal)
+        return CompileDecision(True, "compile=True")
+    if refusal is not None:
+        return CompileDecision(False, refusal.replace("compile=True", "the compiled step", 1))
+    if kv_dtype is not None:
+        return CompileDecision(False, "a quantized KV cache (kv_dtype) decodes eagerly")
+    if cache is not None:
+        return CompileDecision(False, "a cache was passed: the eager loop uses it as it is")
+    if getattr(model, "prefill_again_at", None) is not None:
+        return CompileDecision(False, "LongRoPE re-encodes the sequence mid-run: eager")
+    if model.training:
+        return CompileDecision(False, "the model is in training mode (dropout): eager")
+    why_not = compiler_available()
+    if why_not is not None:
+        return CompileDecision(False, why_not)
+    shape = (batch_size, bucket_slots(prompt_length + max_new_tokens))
+    if shape in model.__dict__.get("_compiled_shapes", ()):
+        return CompileDecision(True, f"a graph for batch {shape[0]}, {shape[1]} slots exists")
+    if eos_token_id is not None:
+        return CompileDecision(
+            False, "with eos_token_id the run may end early: a compile may not pay for itself"
+        )
+    if max_new_tokens < AUTO_COMPILE_MIN_NEW_TOKENS:
+        return CompileDecision(
+            False,
+            f"{max_new_tokens} new tokens < {AUTO_COMPILE_MIN_NEW_TOKENS}: a compile would "
+            "cost more than it saves",
+        )
+    return CompileDecision(
+        True, f"{max_new_tokens} new tokens >= {AUTO_COMPILE_MIN_NEW_TOKENS} and compile available"
+    )
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One compile of the decode step: its shape and the seconds the first call took."""
+
+    batch_size: int
+    slots: int
+    seconds: float
+
+
+def compile_report(model: nn.Module) -> list[CompileRecord]:
+    """The compiles of ``model``'s decode step in this process, oldest first."""
+    return list(model.__dict__.get("_compile_records", []))
+
+
+def compiled_decode_step(model: nn.Module) -> Any:
+    """``torch.compile`` of ``model.decode_step``, made once per model and kept on it.
+
+    The step has fixed shapes over a static cache and takes its slot as a tensor, so one
+    graph serves every step of every generation with the same batch size and cache
+    length (``dynamic=False``; ``fullgraph=True`` fails loudly on a graph break
+    rather than running part of the step eagerly). Each shape's first call is timed
+    (:func:`compile_report`). Up to :data:`COMPILED_STEP_GRAPHS`
+    graphs are kept per process; past that, a clear ``RuntimeError``.
+    """
+    step = getattr(model, "_compiled_decode_step", None)
+    if step is None:
+        decode_step: Any = model.decode_step
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+
+        records: list[CompileRecord] = model.__dict__.setdefault("_compile_records", [])
+        seen: set[tuple[int, int]] = model.__dict__.setdefault("_compiled_shapes", set())
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            cache = kwargs["cache"]
+            shape = (int(args[0].shape[0]), int(cache.layers[0].max_length))
+            t0 = time.perf_counter()
+            with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_GRAPHS):
+                try:
+                    out = compiled(*args, **kwargs)
+                except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                    raise RuntimeError(
+                        f"generate(compile=True) has compiled {COMPILED_STEP_GRAPHS} decode-step "
+                        "graphs in this process (one per model, batch size and cache length); "
+                        "use compile=False, or fewer distinct shapes"
+                    ) from err
+            if shape not in seen:  # the first call of a shape compiles: report it
+                seen.add(shape)
+                records.append(CompileRecord(shape[0], shape[1], time.perf_counter() - t0))
+                logger.info(
+                    "compiled %s's decode step for batch %d, %d cache slots in %.1f s",
+                    type(model).__name__, shape[0], shape[1], records[-1].seconds,
+                )  # fmt: skip
+            return out
+
+        model.__dict__["_compiled_decode_step"] = step
+    return step
+
+
+def static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:
+    """The static cache of a compiled generation: a new one, or the user's, checked."""
+    refusal = _refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if cache is None:
+        # Lengths rounded up to a bucket: one compiled graph serves many prompt lengths
+        # (the causal pattern hides the slots beyond the current one).
+        bucket = bucket_slots(needed)
+        return model.new_cache(kind="static", max_length=bucket, batch_size=b)  # type: ignore[operator]
+    check_fresh_cache(cache)
+    from attnlab.cache import StaticKVCache
+
+    if not all(isinstance(c, StaticKVCache) for c in getattr(cache, "layers", [])):
+        raise ValueError(
+            "compile=True needs static caches (model.new_cache(kind='static', ...)), got "
+            f"{sorted({type(c).__name__ for c in cache.layers})}"
+        )
+    check_cache_room(cache, needed)
+    return cache

@@ -1,0 +1,111 @@
+"""What every causal language model of attnlab shares, whatever its layers mix.
+
+:class:`~attnlab.models.decoder.DecoderLM` (attention, linear and hybrid mixers) and the
+recurrent models of :mod:`attnlab.models.recurrent` (Mamba, Mamba-2, RWKV-4, RetNet) are
+one shell: token embeddings, a stack of layers with one cache entry each, a final norm
+and an LM head (the embeddings when tied), ``generate``/``stream`` through
+:mod:`attnlab.generation`, and the same checks of a forward's ``attention_mask`` and
+``position_ids``.
+
+Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens so far (cached + new).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, cast
+
+from torch import Tensor, nn
+
+from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
+
+__all__ = ["CausalLMShell"]
+
+
+class CausalLMShell(nn.Module):
+    """The parts of a causal language model that do not depend on its layers.
+
+    Subclasses set ``config`` (with ``vocab_size`` and ``hidden_size``), ``embed_tokens``
+    and ``lm_head`` (None when tied to the embeddings).
+    """
+
+    is_encoder_decoder = False
+    config: Any
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module | None
+
+    def num_parameters(self) -> int:
+        """Number of parameters (tied matrices counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The LM head's ``[V, D]`` matrix (the token embeddings when tied; expanded to
+        float when they are quantized)."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return cast(Tensor, self.lm_head.weight)
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
+        """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""
+        # generation/ sits above models/; imported here, at call time, on purpose.
+        from attnlab.generation.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def stream(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[Tensor]:
+        """Yield new tokens ``[B]`` as they come; see :func:`attnlab.generation.stream`."""
+        from attnlab.generation.generate import stream
+
+        return stream(self, input_ids, max_new_tokens, **kwargs)
+
+    def _embed_tokens(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
+        """``[B, L, D]``: the embeddings of ``input_ids`` (checked against the vocabulary),
+        or ``inputs_embeds`` checked."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            check_tensor("inputs_embeds", inputs_embeds)
+            if (
+                inputs_embeds.dim() != 3
+                or inputs_embeds.shape[-1] != self.config.hidden_size
+                or inputs_embeds.shape[:2].numel() == 0
+            ):
+                raise ValueError(
+                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}) with at "
+                    f"least one token, got {tuple(inputs_embeds.shape)}"
+                )
+            return inputs_embeds
+        assert input_ids is not None
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        return self.embed_tokens(input_ids)
+
+    @staticmethod
+    def _check_mask(attention_mask: Tensor | None, b: int, total: int) -> Tensor | None:
+        """``attention_mask [B, T]`` checked (1/0, batch ``b``, ``total`` = cached + new
+        tokens), or None when it masks nothing."""
+        if attention_mask is None:
+            return None
+        check_binary_mask("attention_mask", attention_mask)
+        if attention_mask.shape[0] != b:
+            raise ValueError(
+                f"attention_mask must be (batch, cached + new tokens) with batch {b} as the "
+                f"input ids, got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape[1] != total:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} tokens, but cached + new "
+                f"tokens = {total}"
+            )
+        return None if bool(attention_mask.bool().all()) else attention_mask
+
+    @staticmethod
+    def _check_position_ids(position_ids: Tensor, b: int, n: int) -> Tensor:
+        """``position_ids`` as ``[B|1, L]``, checked against batch ``b`` and ``n`` new tokens."""
+        check_tensor("position_ids", position_ids)
+        pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+        if pos.shape[-1] != n or pos.shape[0] not in (1, b):
+            raise ValueError(
+                f"position_ids must be ({b}, {n}) or ({n},), got {tuple(position_ids.shape)}"
+            )
+        return pos

@@ -1,0 +1,118 @@
+"""What the engine hands back, and the state it keeps per request and per choice.
+
+The public outputs (:class:`RequestOutput` of :class:`CompletionDelta` of
+:class:`TokenLogprob`) are what :meth:`~attnlab.serving.engine.Engine.step` returns and
+what the HTTP handlers turn into OpenAI responses. :class:`Request` and :class:`Seq` are
+the engine's bookkeeping: a request has ``n`` choices, each a :class:`Seq` the scheduler
+runs, the sampler extends and the output processor turns into text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnlab.serving.detokenize import IncrementalDetokenizer
+from attnlab.serving.params import SamplingParams
+
+__all__ = ["CompletionDelta", "Request", "RequestOutput", "Seq", "TokenLogprob"]
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of a chosen token and of the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class CompletionDelta:
+    """What one choice produced since the last output.
+
+    Attributes:
+        index: the choice's index (``0..n-1``).
+        text: new text (complete UTF-8 characters only).
+        token_ids: new token ids.
+        logprobs: one entry per new token when requested.
+        finish_reason: ``"stop"`` (EOS, a stop string or token, a complete grammar),
+            ``"length"``, ``"abort"``, ``"error"``, or None.
+        error: why the request failed (with ``finish_reason="error"``; offline results).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request.
+
+    Attributes:
+        request_id: the request.
+        outputs: the choices that changed.
+        finished: every choice is done.
+        prompt_tokens: prompt length.
+        cached_tokens: prompt tokens taken from the prefix cache.
+        error: why the request failed inside a step (it alone; the engine goes on).
+    """
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    prompt_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """A request in the engine: its prompt, parameters and choices."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    order: int
+    seqs: list[Seq] = field(default_factory=list)
+    forked: bool = False
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (
+            bool(self.seqs)
+            and all(s.finish_reason is not None for s in self.seqs)
+            and (self.forked or self.params.n == 1)
+        )
+
+
+@dataclass
+class Seq:
+    """One choice of a request: the sequence the scheduler runs and the sampler extends."""
+
+    seq_id: int
+    request: Request
+    index: int
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # all text so far (stop strings cut)
+    sent: int = 0  # characters of ``text`` already returned
+    finish_reason: str | None = None
+    in_pool: bool = False
+    pending: CompletionDelta | None = None
+    matcher: Any = None  # the grammar's parser state (a GrammarMatcher) or None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids

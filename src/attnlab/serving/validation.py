@@ -1,0 +1,73 @@
+"""Checking a request before it is queued: every field against the model and the pool.
+
+A request that cannot run (an empty or out-of-vocabulary prompt, a grammar built for
+another vocabulary, more tokens than the context or the KV pool holds) is refused with a
+:class:`~attnlab.serving.params.ParamError` naming the field, before it takes any block;
+the HTTP layer answers 400 with that field.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+from attnlab.serving.params import ParamError, SamplingParams
+
+__all__ = ["validate_request"]
+
+
+def validate_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """Check a request against the model's vocabulary and context and the pool's size.
+
+    Raises:
+        ParamError: the first field that does not fit (``param`` names it).
+    """
+    vocab = vocab_size
+    if len(prompt_ids) == 0:
+        raise ParamError("prompt", "the prompt is empty")
+    bad = next(
+        (t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)),
+        None,
+    )
+    if bad is not None:  # int(1.7) would silently make it token 1
+        raise ParamError("prompt", f"token ids must be ints, got {bad!r} ({type(bad).__name__})")
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise ParamError("prompt", f"token ids must lie in [0, {vocab})")
+    for name, ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        if any(t >= vocab for t in ids):
+            raise ParamError(name, f"{name}: token ids must lie in [0, {vocab}), got {max(ids)}")
+    grammar = params.grammar
+    if grammar is not None and getattr(grammar, "vocab_size", vocab) != vocab:
+        raise ParamError(
+            "response_format",
+            f"the grammar was compiled for {grammar.vocab_size} tokens, the model has {vocab}",
+        )
+    if len(prompt_ids) >= max_model_len:
+        raise ParamError(
+            "prompt",
+            f"the prompt has {len(prompt_ids)} tokens; the context is {max_model_len}, "
+            "which leaves no room for a completion",
+        )
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise ParamError(
+            "max_tokens",
+            f"max_tokens={params.max_tokens} with a {len(prompt_ids)}-token prompt exceeds "
+            f"the context of {max_model_len} tokens",
+        )
+    blocks = -(-(len(prompt_ids) + params.max_tokens) // block_size)
+    if blocks > num_blocks:
+        raise ParamError(
+            "max_tokens",
+            f"the request needs {blocks} KV blocks, the pool has {num_blocks}",
+        )
