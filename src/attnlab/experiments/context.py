@@ -155,7 +155,7 @@ def run(*, quick: bool, smoke: bool, out: Path, seed: int, progress: bool) -> Ex
     past = slice(trained - 1, None)
     before_range = slice(trained // 2 - 1, trained - 1)
     before = _ppl(curves["none"][before_range])
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "rope": v,
             "ppl_before": _ppl(curves[v][before_range]),
@@ -165,7 +165,7 @@ def run(*, quick: bool, smoke: bool, out: Path, seed: int, progress: bool) -> Ex
         }
         for v in VARIANTS
     ]
-    past_ppl = {r["rope"]: r["ppl_past"] for r in rows}
+    past_ppl = {v: _ppl(curves[v][past]) for v in VARIANTS}
     scaled = ("linear", "dynamic", "yarn")
     blows = past_ppl["none"] >= 2 * before
     graceful = all(past_ppl[v] <= 1.25 * before for v in scaled)
