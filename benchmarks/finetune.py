@@ -17,9 +17,12 @@ Each side's padding share is the part of the token slots it computes that hold n
 
 **Peak memory.** A fresh process per mode loads the model, sets up full fine-tuning
 (every weight trains, AdamW over all), LoRA, or QLoRA (the base's linear layers in NF4,
-loaded through bfloat16), runs two steps on the same packed batch and reports its peak
-resident memory (``VmHWM``; not ``ru_maxrss``, which survives ``exec``), everything included: the libraries, the weights, the
-gradients, AdamW's state and the activations.
+loaded through bfloat16), runs two steps on the same packed batch (the loss computed as
+the Trainer computes it, without holding the ``[B, L, V]`` logits) and reports its peak
+resident memory (``VmHWM``; not ``ru_maxrss``, which survives ``exec``), everything
+included: the libraries, the weights, the gradients, AdamW's state and the activations;
+and that peak less the process's resident memory before it loads any weight (Python,
+torch and attnlab imported: what no training setting can change).
 """
 
 from __future__ import annotations
@@ -112,8 +115,8 @@ def _step_fn(model: Any, batches: list[Any], kind: str) -> Any:
     def step() -> None:
         total = sum(b.num_targets for b in batches)
         for b in batches:
-            if kind == "attnlab":
-                loss = model(**model_inputs(b, "decoder")).loss
+            if kind == "attnlab":  # as the Trainer calls it: no [B, L, V] logits held
+                loss = model(**model_inputs(b, "decoder"), return_logits=False).loss
             else:
                 loss = model(
                     input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels
@@ -183,12 +186,21 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _rss() -> int:
+    """This process's resident memory now (``VmRSS``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def child(args: argparse.Namespace) -> None:
     from attnlab.train.sft import pack_examples, packed_batch
     from attnlab.train.trainer import model_inputs
 
     torch.set_num_threads(1)
     mode = args.child
+    before = _rss()  # the process before any weight: Python, torch, attnlab
     base, tok = _load(args.model, torch.bfloat16 if mode == "qlora" else torch.float32)
     if mode == "full":
         model = base.float().train()
@@ -205,14 +217,15 @@ def child(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=False)
     losses = []
     for _ in range(2):
-        loss = model(**model_inputs(batch, "decoder")).loss
+        loss = model(**model_inputs(batch, "decoder"), return_logits=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     peak = _peak_rss()
     trainable = sum(p.numel() for p in params)
-    print(json.dumps({"peak_bytes": peak, "trainable": trainable, "losses": losses}))
+    print(json.dumps({"peak_bytes": peak, "before_bytes": before, "trainable": trainable,
+                      "losses": losses}))  # fmt: skip
 
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,8 +237,13 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--checkpointing"] if args.checkpointing else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    full = out["full"]
     for mode in ("lora", "qlora"):
-        out[mode]["ratio_to_full"] = out[mode]["peak_bytes"] / out["full"]["peak_bytes"]
+        m = out[mode]
+        m["ratio_to_full"] = m["peak_bytes"] / full["peak_bytes"]
+        m["ratio_to_full_over_process"] = (m["peak_bytes"] - m["before_bytes"]) / (
+            full["peak_bytes"] - full["before_bytes"]
+        )
     return out
 
 
@@ -276,14 +294,18 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
             + (", gradient checkpointing in every mode" if args.checkpointing else "")
             + "):",
             "",
-            "| mode | trainable parameters | peak RSS (MiB) | vs full |",
-            "|---|---|---|---|",
+            "| mode | trainable parameters | peak RSS (MiB) | vs full | process before the "
+            "weights (MiB) | peak over it (MiB) | vs full |",
+            "|---|---|---|---|---|---|---|",
         ]
+        full_over = full - mem["full"]["before_bytes"]
         for mode in ("full", "lora", "qlora"):
             m = mem[mode]
+            over = m["peak_bytes"] - m["before_bytes"]
             lines.append(
                 f"| {mode} | {m['trainable']:,} | {m['peak_bytes'] / 2**20:.0f} | "
-                f"{m['peak_bytes'] / full:.2f} |"
+                f"{m['peak_bytes'] / full:.2f} | {m['before_bytes'] / 2**20:.0f} | "
+                f"{over / 2**20:.0f} | {over / full_over:.2f} |"
             )
     return "\n".join(lines)
 

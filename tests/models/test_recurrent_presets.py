@@ -1,7 +1,8 @@
-"""RetNet as a preset of the one decoder shell: a DecoderLM of ``retention`` layers with
-RetNetLM's weights computes RetNetLM's logits (padded batches and cached decoding
-included) and generates its tokens; the retention mixer mixes with attention in one
-layout, and its cached decoding equals its forward."""
+"""Mamba, Mamba-2 and RetNet as presets of the one decoder shell: a DecoderLM of
+``mamba``/``mamba2``/``retention`` layers with the recurrent model's weights computes its
+logits (padded batches and cached decoding included) and generates its tokens; the
+retention mixer mixes with attention in one layout, and its cached decoding equals its
+forward."""
 
 from __future__ import annotations
 
@@ -9,17 +10,29 @@ import pytest
 import torch
 
 from attnlab.cache.kv_cache import DynamicKVCache
-from attnlab.cache.recurrent import RetentionState
+from attnlab.cache.recurrent import Mamba2State, MambaState, RetentionState
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.recurrent import RetNetLM
-from attnlab.models.recurrent_config import RetNetConfig
-from attnlab.models.recurrent_presets import retnet_as_decoder, retnet_decoder_config
+from attnlab.models.recurrent import MambaLM, RetNetLM
+from attnlab.models.recurrent_config import MambaConfig, RetNetConfig
+from attnlab.models.recurrent_presets import (
+    mamba_as_decoder,
+    mamba_decoder_config,
+    retnet_as_decoder,
+    retnet_decoder_config,
+)
 
 V = 61
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():  # norms start at 1: perturb every weight
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
 
 
 def _retnet(**kw: object) -> RetNetLM:
@@ -27,23 +40,28 @@ def _retnet(**kw: object) -> RetNetLM:
     cfg = RetNetConfig(
         vocab_size=V, hidden_size=16, num_hidden_layers=2, num_heads=2, chunk_size=4, **kw
     )
-    model = RetNetLM(cfg).eval()
-    with torch.no_grad():  # norms start at 1: perturb every weight
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return _perturbed(RetNetLM(cfg))  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [{}, {"hidden_act": "swish", "scale_embedding": True, "tie_word_embeddings": True}],
-    ids=["gelu", "swish-scaled-tied"],
-)
-def test_the_preset_computes_retnets_logits(kw: dict[str, object]) -> None:
-    ours = _retnet(**kw)
-    preset = retnet_as_decoder(ours)
-    assert preset.num_parameters() == ours.num_parameters()
-    assert [type(c) for c in preset.new_cache().layers] == [RetentionState] * 2
+def _mamba(version: int, **kw: object) -> MambaLM:
+    torch.manual_seed(0)
+    extra: dict[str, object] = (
+        {"head_dim": 8, "state_size": 8, "n_groups": 2} if version == 2 else {}
+    )
+    cfg = MambaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        version=version,
+        chunk_size=4,
+        **extra,
+        **kw,
+    )
+    return _perturbed(MambaLM(cfg))  # type: ignore[return-value]
+
+
+def _assert_same_function(preset: DecoderLM, ours: torch.nn.Module) -> None:
+    """Logits of a plain and a left-padded batch, and cached decoding, equal ``ours``'."""
     ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 11, dtype=torch.long)
     mask[1, :3] = 0  # left padding
@@ -56,13 +74,41 @@ def test_the_preset_computes_retnets_logits(kw: dict[str, object]) -> None:
         steps = [preset(ids[:, :5], past_key_values=cache).logits]
         steps += [preset(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 11)]
     torch.testing.assert_close(torch.cat(steps, 1), ours(ids).logits, **TOL)
+    start = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(preset.generate(start, max_new_tokens=16), ours.generate(start, 16))  # type: ignore[operator]
 
 
-def test_the_preset_generates_retnets_tokens() -> None:
-    ours = _retnet()
+@pytest.mark.parametrize(
+    ("version", "kw", "state"),
+    [
+        (1, {}, MambaState),
+        (1, {"use_bias": True, "tie_word_embeddings": False}, MambaState),
+        (2, {}, Mamba2State),
+        (2, {"dt_limit": (0.01, 2.0)}, Mamba2State),
+    ],
+    ids=["mamba", "mamba-bias-untied", "mamba2", "mamba2-dt-limit"],
+)
+def test_the_mamba_preset_computes_mambas_logits(
+    version: int, kw: dict[str, object], state: type
+) -> None:
+    ours = _mamba(version, **kw)
+    preset = mamba_as_decoder(ours)
+    assert preset.num_parameters() == ours.num_parameters()
+    assert [type(c) for c in preset.new_cache().layers] == [state] * 2
+    _assert_same_function(preset, ours)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"hidden_act": "swish", "scale_embedding": True, "tie_word_embeddings": True}],
+    ids=["gelu", "swish-scaled-tied"],
+)
+def test_the_retnet_preset_computes_retnets_logits(kw: dict[str, object]) -> None:
+    ours = _retnet(**kw)
     preset = retnet_as_decoder(ours)
-    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(preset.generate(ids, max_new_tokens=16), ours.generate(ids, 16))
+    assert preset.num_parameters() == ours.num_parameters()
+    assert [type(c) for c in preset.new_cache().layers] == [RetentionState] * 2
+    _assert_same_function(preset, ours)
 
 
 def test_retention_mixes_with_attention() -> None:
@@ -92,6 +138,10 @@ def test_retention_mixes_with_attention() -> None:
 
 
 def test_bad_inputs_are_named() -> None:
+    with pytest.raises(TypeError, match="MambaConfig"):
+        mamba_decoder_config(RetNetConfig())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="MambaLM"):
+        mamba_as_decoder(_retnet())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="RetNetConfig"):
         retnet_decoder_config(DecoderConfig(vocab_size=V))  # type: ignore[arg-type]
     small = DecoderConfig(

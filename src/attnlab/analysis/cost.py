@@ -38,6 +38,7 @@ from typing import Any, Literal
 from attnlab._validate import check_int, check_positive_int
 from attnlab.analysis.arch import ArchSpec, describe
 from attnlab.analysis.backend_choice import auto_choice
+from attnlab.analysis.cost_kv import check_kv_dtype, quantized_kv_bytes
 from attnlab.analysis.cost_layers import (
     BACKEND_TRAITS,
     ELEMENTWISE_FLOPS,
@@ -320,6 +321,7 @@ def estimate(
     cache: str | None = None,
     cache_capacity: int | None = None,
     expert_parallel: int = 1,
+    kv_dtype: str | None = None,
 ) -> CostReport:
     """Estimate FLOPs and memory of a model without running it.
 
@@ -358,6 +360,9 @@ def estimate(
             context, as ``generate`` does).
         expert_parallel: devices the experts of MoE layers are spread over; sets
             :attr:`CostReport.all_to_all_bytes` (on paper, balanced routing).
+        kv_dtype: decode, dynamic cache: the KV cache in ``"int8"``/``"int4"``/``"int2"``
+            as :class:`~attnlab.cache.quantized.QuantizedKVCache` stores it by default
+            (:mod:`attnlab.analysis.cost_kv`); None or ``"float"``: the model dtype.
 
     Returns:
         A :class:`CostReport`.
@@ -397,6 +402,7 @@ def estimate(
         cache = "dynamic"
     if cache not in ("dynamic", "static", "sliding"):
         raise ValueError(f"cache must be 'dynamic', 'static' or 'sliding', got {cache!r}")
+    kv_dtype = check_kv_dtype(kv_dtype, mode, cache)
     dtype_name, bpe = _dtype(dtype)
     requested = backend
     if window is not None:
@@ -555,10 +561,15 @@ def estimate(
             notes.append("16-bit parameters: optimizer keeps float32 master weights")
     kv_layers = spec.num_decoder_layers or spec.num_layers
     kv_bytes = 0
-    if decode:
+    if decode and kv_dtype is not None:
+        kv_bytes = quantized_kv_bytes(
+            spec, kv_layers, batch_size, cache_slots, context, kv_dtype, bpe
+        )
+        notes.append(f"KV cache in {kv_dtype} (KIVI: keys per channel, values per token)")
+    elif decode:
         kv_bytes = 2 * kv_layers * batch_size * spec.kv_dim * cache_slots * bpe
-        if spec.num_decoder_layers:
-            kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
+    if decode and spec.num_decoder_layers:  # the cross-attention caches stay float
+        kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
 
     score_pairs = batch_size * spec.num_heads * lq * stored
     score_bytes = score_pairs * (4 if bpe < 4 else bpe)

@@ -24,6 +24,7 @@ EXPERIMENTS: dict[str, str] = {
     "sinks": "attnlab.experiments.sinks",
     "induction-real": "attnlab.experiments.induction_real",
     "context": "attnlab.experiments.context",
+    "kv-quant": "attnlab.experiments.kv_quant",
 }
 
 

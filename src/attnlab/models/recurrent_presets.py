@@ -1,6 +1,9 @@
 """The recurrent language models as presets of the one decoder shell.
 
-:func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
+:func:`mamba_decoder_config` writes a :class:`~attnlab.models.recurrent_config.MambaConfig`
+as ``mamba`` (version 1) or ``mamba2`` (version 2) layers without feed-forwards, and
+:func:`mamba_as_decoder` moves a :class:`~attnlab.models.recurrent.MambaLM`'s weights
+into it. :func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
 as a :class:`~attnlab.models.decoder_config.DecoderConfig` of ``retention`` layers
 (:mod:`attnlab.models.recurrent_mixers`) with gated feed-forwards, RMSNorms and no
 position embedding, and :func:`retnet_as_decoder` moves a
@@ -11,20 +14,28 @@ then mixes with attention or any other registered mixer in one layout.
 
 from __future__ import annotations
 
-from torch import Tensor
+import math
 
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
-from attnlab.models.layout import LayerSpec
+from attnlab.models.layout import LayerSpec, MambaLayerConfig
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.recurrent import RetNetLM
-from attnlab.models.recurrent_config import RetNetConfig
+from attnlab.models.recurrent import MambaLM, RetNetLM
+from attnlab.models.recurrent_config import MambaConfig, RetNetConfig
 
-__all__ = ["retnet_as_decoder", "retnet_decoder_config", "retnet_decoder_keys"]
+__all__ = [
+    "mamba_as_decoder",
+    "mamba_decoder_config",
+    "retnet_as_decoder",
+    "retnet_decoder_config",
+]
+
+#: MambaLM sub-module path -> DecoderLM sub-module path, within one layer.
+_MAMBA_PARTS = {"norm": "self_attn_norm", "mixer": "self_attention.mixer"}
 
 #: RetNetLM sub-module path -> DecoderLM sub-module path, within one layer. RetNet's GLU
 #: ``fc2(act(fc1(x)) * gate(x))`` is the gated feed-forward ``down(act(gate(x)) * up(x))``.
-_PARTS = {
+_RETNET_PARTS = {
     "retention_layer_norm": "self_attn_norm",
     "retention": "self_attention.mixer",
     "final_layer_norm": "ffn_norm",
@@ -74,17 +85,100 @@ def retnet_decoder_config(config: RetNetConfig) -> DecoderConfig:
     )
 
 
-def retnet_decoder_keys(key: str) -> str:
-    """A :class:`RetNetLM` state-dict key as the preset :class:`DecoderLM`'s."""
+def _decoder_key(key: str, parts: dict[str, str]) -> str:
+    """A recurrent model's state-dict key as its preset :class:`DecoderLM`'s."""
     if key == "norm_f.weight":
         return "norm.weight"
     if not key.startswith("layers."):
         return key  # embed_tokens, lm_head
     i, rest = key[len("layers.") :].split(".", 1)
-    for ours, theirs in _PARTS.items():
+    for ours, theirs in parts.items():
         if rest == ours or rest.startswith(ours + "."):
             return f"layers.{i}.{theirs}{rest[len(ours) :]}"
-    raise ValueError(f"no DecoderLM key for RetNetLM key {key!r}")
+    raise ValueError(f"no DecoderLM key for the key {key!r}")
+
+
+def _moved(
+    model: MambaLM | RetNetLM, config: DecoderConfig, parts: dict[str, str], backend: str
+) -> DecoderLM:
+    """A :class:`DecoderLM` of ``config`` holding copies of ``model``'s weights."""
+    weight = model.embed_tokens.weight
+    out = DecoderLM(config, backend=backend)
+    out.to(dtype=weight.dtype, device=weight.device)
+    out.load_state_dict({_decoder_key(k, parts): v for k, v in model.state_dict().items()})
+    return out.train(model.training)
+
+
+def mamba_decoder_config(config: MambaConfig) -> DecoderConfig:
+    """The :class:`DecoderConfig` that builds ``config``'s Mamba or Mamba-2 from mixers.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`MambaConfig`.
+    """
+    if not isinstance(config, MambaConfig):
+        raise TypeError(f"config must be a MambaConfig, got {type(config).__name__}")
+    d = config.hidden_size
+    width = config.expand * d
+    if config.version == 2:
+        assert config.num_heads is not None
+        limit = None if tuple(config.dt_limit) == (0.0, math.inf) else config.dt_limit
+        spec = LayerSpec(
+            mixer="mamba2",
+            ffn="none",
+            linear=LinearLayerConfig(
+                width=width,
+                num_heads=config.num_heads,
+                head_dim=config.head_dim,
+                state_size=config.state_size,
+                n_groups=config.n_groups,
+                conv_kernel=config.conv_kernel,
+                conv_bias=config.use_conv_bias,
+                proj_bias=config.use_bias,
+                dt_limit=limit,
+                chunk_size=config.chunk_size,
+            ),
+        )
+    else:
+        spec = LayerSpec(
+            mixer="mamba",
+            ffn="none",
+            mamba=MambaLayerConfig(
+                state_size=config.state_size,
+                conv_kernel=config.conv_kernel,
+                expand=config.expand,
+                dt_rank=config.dt_rank,
+                conv_bias=config.use_conv_bias,
+                proj_bias=config.use_bias,
+                chunk_size=config.chunk_size,
+            ),
+        )
+    return DecoderConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=d,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=1,  # no attention layer: the fields are unused
+        head_dim=d,
+        intermediate_size=width,
+        norm="rmsnorm",
+        norm_eps=config.norm_eps,
+        position_embedding="none",
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        layers=(spec,) * config.num_hidden_layers,
+    )
+
+
+def mamba_as_decoder(model: MambaLM, *, backend: str = "auto") -> DecoderLM:
+    """The :class:`DecoderLM` preset of ``model``, holding copies of its weights.
+
+    Raises:
+        TypeError: ``model`` is not a :class:`MambaLM`.
+    """
+    if not isinstance(model, MambaLM):
+        raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
+    return _moved(model, mamba_decoder_config(model.config), _MAMBA_PARTS, backend)
 
 
 def retnet_as_decoder(model: RetNetLM, *, backend: str = "auto") -> DecoderLM:
@@ -95,9 +189,4 @@ def retnet_as_decoder(model: RetNetLM, *, backend: str = "auto") -> DecoderLM:
     """
     if not isinstance(model, RetNetLM):
         raise TypeError(f"model must be a RetNetLM, got {type(model).__name__}")
-    weight = model.embed_tokens.weight
-    out = DecoderLM(retnet_decoder_config(model.config), backend=backend)
-    out.to(dtype=weight.dtype, device=weight.device)
-    state: dict[str, Tensor] = {retnet_decoder_keys(k): v for k, v in model.state_dict().items()}
-    out.load_state_dict(state)
-    return out.train(model.training)
+    return _moved(model, retnet_decoder_config(model.config), _RETNET_PARTS, backend)

@@ -379,9 +379,10 @@ class Engine:
             else:
                 pairs.append((r, seq))
         seqs = [s for _, s in pairs]
-        results = sample_step(
-            logits[[r for r, _ in pairs]], seqs, eos_ids=self.eos_ids, generator=self._seed_source
-        )
+        order = [r for r, _ in pairs]
+        if order != list(range(logits.shape[0])):  # not every row once, in order: a copy
+            logits = logits[order]
+        results = sample_step(logits, seqs, eos_ids=self.eos_ids, generator=self._seed_source)
         for s, res in zip(seqs, results, strict=True):
             if s.request.error is not None:
                 continue
