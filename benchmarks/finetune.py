@@ -129,8 +129,11 @@ def _step_fn(model: Any, batches: list[Any], kind: str) -> Any:
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
+    from attnlab.train.allocator import hold_mmap_threshold
     from attnlab.train.sft import choose_layout, pack_examples, packed_batch, padded_batch
 
+    if args.allocator != "glibc":  # the allocator `attnlab finetune` runs with, both sides
+        hold_mmap_threshold()
     torch.set_num_threads(1)
     base, tok = _load(args.model)
     examples = _examples(tok, args.examples, 0)
@@ -195,9 +198,12 @@ def _rss() -> int:
 
 
 def child(args: argparse.Namespace) -> None:
+    from attnlab.train.allocator import hold_mmap_threshold
     from attnlab.train.sft import pack_examples, packed_batch
     from attnlab.train.trainer import model_inputs
 
+    if args.allocator == "held" and not hold_mmap_threshold():  # as `attnlab finetune` does
+        raise SystemExit("this C library has no mallopt: run with --allocator glibc")
     torch.set_num_threads(1)
     mode = args.child
     before = _rss()  # the process before any weight: Python, torch, attnlab
@@ -229,11 +235,17 @@ def child(args: argparse.Namespace) -> None:
 
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
+    return {a: _memory(args, a) for a in (("held", "glibc") if args.allocator == "both"
+                                          else (args.allocator,))}  # fmt: skip
+
+
+def _memory(args: argparse.Namespace, allocator: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("full", "lora", "qlora"):
         cmd = [sys.executable, __file__, "--child", mode, "--model", args.model,
                "--max-len", str(args.max_len), "--micro", str(args.micro),
-               "--examples", str(args.examples), "--rank", str(args.rank)]  # fmt: skip
+               "--examples", str(args.examples), "--rank", str(args.rank),
+               "--allocator", allocator]  # fmt: skip
         cmd += ["--checkpointing"] if args.checkpointing else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -277,7 +289,9 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
             f"One step = {sp['examples_per_step']} chat examples ({sp['tokens_per_step']} tokens, "
             f"{sp['lengths'][0]}-{sp['lengths'][1]} per example); forwards of {args.micro} packed "
             f"rows of {args.max_len} or {args.examples_per_forward} padded examples; one thread, "
-            f"process time, median of {args.rounds} alternating rounds.",
+            f"process time, median of {args.rounds} alternating rounds"
+            + ("" if args.allocator == "glibc" else "; glibc's mmap threshold held, both sides")
+            + ".",
             "",
             "| side | step (ms) | padding share | vs peft |",
             "|---|---|---|---|",
@@ -286,28 +300,36 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
         for k, ms in sp["step_ms"].items():
             lines.append(f"| {k} | {ms:.0f} | {sp['padding'][k]:.0%} | {peft_ms / ms:.2f}x |")
         lines += ["", f"Cost model's choice: {sp['choice']}.", ""]
-    if mem is not None:
-        full = mem["full"]["peak_bytes"]
-        lines += [
-            f"Peak memory (fresh process each, VmHWM, two steps on {args.micro} packed rows "
-            f"of {args.max_len}"
-            + (", gradient checkpointing in every mode" if args.checkpointing else "")
-            + "):",
-            "",
-            "| mode | trainable parameters | peak RSS (MiB) | vs full | process before the "
-            "weights (MiB) | peak over it (MiB) | vs full |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        full_over = full - mem["full"]["before_bytes"]
-        for mode in ("full", "lora", "qlora"):
-            m = mem[mode]
-            over = m["peak_bytes"] - m["before_bytes"]
-            lines.append(
-                f"| {mode} | {m['trainable']:,} | {m['peak_bytes'] / 2**20:.0f} | "
-                f"{m['peak_bytes'] / full:.2f} | {m['before_bytes'] / 2**20:.0f} | "
-                f"{over / 2**20:.0f} | {over / full_over:.2f} |"
-            )
+    for allocator, res in (mem or {}).items():
+        lines += _memory_table(args, allocator, res)
     return "\n".join(lines)
+
+
+def _memory_table(args: argparse.Namespace, allocator: str, mem: dict[str, Any]) -> list[str]:
+    full = mem["full"]["peak_bytes"]
+    if allocator == "held":
+        how = "glibc's mmap threshold held at 128 KiB, as `attnlab finetune` holds it"
+    else:
+        how = "glibc's allocator as it starts (dynamic mmap threshold)"
+    ck = ", gradient checkpointing in every mode" if args.checkpointing else ""
+    lines = [
+        f"Peak memory (fresh process each, VmHWM, two steps on {args.micro} packed rows "
+        f"of {args.max_len}{ck}; {how}):",
+        "",
+        "| mode | trainable parameters | peak RSS (MiB) | vs full | process before the "
+        "weights (MiB) | peak over it (MiB) | vs full |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    full_over = full - mem["full"]["before_bytes"]
+    for mode in ("full", "lora", "qlora"):
+        m = mem[mode]
+        over = m["peak_bytes"] - m["before_bytes"]
+        lines.append(
+            f"| {mode} | {m['trainable']:,} | {m['peak_bytes'] / 2**20:.0f} | "
+            f"{m['peak_bytes'] / full:.2f} | {m['before_bytes'] / 2**20:.0f} | "
+            f"{over / 2**20:.0f} | {over / full_over:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -328,6 +350,11 @@ def main() -> None:
         "--checkpointing", action="store_true", help="memory runs with gradient checkpointing"
     )
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument(
+        "--allocator", choices=["held", "glibc", "both"], default="both",
+        help="memory runs with glibc's mmap threshold held (as `attnlab finetune`), as "
+        "glibc starts, or both",
+    )  # fmt: skip
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--child", choices=["full", "lora", "qlora"], help=argparse.SUPPRESS)
     args = p.parse_args()

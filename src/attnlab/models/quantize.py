@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
+from attnlab.backends.qmatmul import LinearChoice, choose_kernel
 from attnlab.modules.linear import LinearSpec, convert_linear
 from attnlab.modules.quant_linear import QuantEmbedding, QuantLinear
 
@@ -80,6 +82,18 @@ def quantize_model(
 def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
     """Every quantized layer of ``model`` by its qualified name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def measure_kernels(
+    model: nn.Module, rows: int, x_dtype: torch.dtype = torch.float32
+) -> dict[str, LinearChoice]:
+    """Choose (measure, where not yet memoised) every quantized layer's kernel for
+    ``rows`` activations, eagerly: a graph compiled afterwards reads these choices
+    instead of falling back to a fixed rule. Returns each layer's choice."""
+    return {
+        name: choose_kernel(layer, rows, x_dtype, kernel=layer.kernel, compute=layer.compute)
+        for name, layer in quantized_layers(model).items()
+    }
 
 
 def kernel_report(model: nn.Module) -> dict[str, Any]:
