@@ -164,7 +164,7 @@ greedy chat request for three capitals as JSON under a schema, {n} tokens, prefi
 | `response_format` json_schema (llguidance) | {tps["json_schema"]:.1f} | {ratio:.2f} |
 
 - llguidance's mask per step: {mask_ms:.3f} ms ({masks.calls} steps measured); the rest of
-  the difference is the bitmask unpacking and masking of the constrained row.
+  the difference: the bitmask's unpacking and masking of the constrained row, and noise.
 - Target "within 1.3x": {"met" if ratio <= 1.3 else "missed"} ({ratio:.2f}x).
 - Four unconstrained requests beside one constrained request in the same batches: tokens
   {"identical" if same else "DIFFERENT"} to the four alone; the mixed run took
