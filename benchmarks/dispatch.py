@@ -5,7 +5,10 @@ the call's overhead, not arithmetic. The peer is ``torch.nn.functional.
 scaled_dot_product_attention`` on the same tensors; the two are timed alternately, in
 rounds of ``--calls`` calls, and the median of the rounds is reported with the
 difference (the target: attnlab adds <= 20 us per call). Cases: no mask, ``is_causal``,
-and a decode step (one query over a growing cache, bucketed memo key).
+and a decode step (one query over a growing cache, bucketed memo key), each through the
+public call (the backend chosen per call, memoized); and the decode step through the
+model's path (issue 21): a plan built once per forward (``make_plan``, the backend chosen
+then) and each layer's call ``attend(plan, query, KVView(key, value))``.
 
 Usage::
 
@@ -22,6 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from attnlab.backends.call import AttentionCall
+from attnlab.backends.dispatch import attend
+from attnlab.backends.plan import KVView, make_plan
 from attnlab.functional import scaled_dot_product_attention
 
 
@@ -59,7 +65,16 @@ def main() -> None:
             lambda: F.scaled_dot_product_attention(q1, kc, vc),
             lambda: scaled_dot_product_attention(q1, kc, vc),
         ),
+        "decode step through a plan (the model's path)": (
+            lambda: F.scaled_dot_product_attention(q1, kc, vc),
+            lambda: attend(plan, q1, KVView(kc, vc)),
+        ),
     }
+    call = AttentionCall.from_inputs(
+        q1, kc, vc, None, dropout_p=0.0, is_causal=False, enable_gqa=False, return_weights=False
+    )
+    plan = make_plan(call)  # once per forward; every layer's call reuses it
+    print(f"plan backend: {plan.backend.name}")
     print("| case | torch sdpa, us | attnlab auto, us | added, us | ratio |")
     print("|---|---|---|---|---|")
     with torch.no_grad():

@@ -91,3 +91,27 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["perplexity", str(folder), str(text), "--context", "100"]) == 2
     assert "exceeds" in capsys.readouterr().err
     assert main(["perplexity", str(folder), str(tmp_path / "none.txt")]) == 1
+    args = [*args, "--kv-dtype", "int4", "--kv-chunk", "4", "--kv-residual", "2"]
+    assert main(args) == 0
+    kv = json.loads(capsys.readouterr().out)
+    assert kv["kv_dtype"] == "int4" and kv["kv_chunk"] == 4 and kv["tokens"] == data["tokens"]
+
+
+def test_decoding_through_a_float_cache_equals_one_forward() -> None:
+    from attnlab.analysis.perplexity import cached_nll
+    from attnlab.cache.quantized import quantize_model_cache
+
+    model = _model()
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+    ref = -logp.gather(-1, ids[0, 1:, None])[:, 0]
+    for chunk in (1, 4, 29):
+        got = cached_nll(model, ids, model.new_cache(), chunk=chunk)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    q = strided_perplexity(
+        model, ids[0], context=30, cache=lambda: quantize_model_cache(model.new_cache(), kv_dtype="int2", group=4, residual=4), chunk=4
+    )  # fmt: skip
+    assert q.tokens == 29 and q.perplexity != pytest.approx(float(ref.mean().exp()), rel=1e-6)
+    with pytest.raises(ValueError, match="chunk"):
+        cached_nll(model, ids, model.new_cache(), chunk=0)

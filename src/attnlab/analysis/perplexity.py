@@ -27,7 +27,7 @@ from torch import Tensor
 
 from attnlab._validate import check_int
 
-__all__ = ["PerplexityResult", "strided_perplexity", "windows"]
+__all__ = ["PerplexityResult", "cached_nll", "strided_perplexity", "windows"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ def strided_perplexity(
     context: int,
     stride: int | None = None,
     on_window: Callable[[int, int], None] | None = None,
+    cache: Callable[[], Any] | None = None,
+    chunk: int = 16,
 ) -> PerplexityResult:
     """Perplexity of ``model`` on the token ids ``ids`` by the strided sliding window.
 
@@ -98,6 +100,11 @@ def strided_perplexity(
         stride: distance between window starts, ``1 <= stride <= context``; default
             ``context // 2`` (at least 1).
         on_window: called with ``(windows done, windows in all)`` after each window.
+        cache: when given, a function returning a fresh model cache (e.g. a quantized KV
+            cache, :func:`attnlab.cache.quantized.quantize_model_cache`): each window is
+            then decoded through it ``chunk`` tokens a forward (:func:`cached_nll`), so
+            the tokens are predicted from what the cache keeps.
+        chunk: tokens per forward when ``cache`` is given.
 
     Raises:
         ValueError: fewer than 2 tokens, or a bad ``context``/``stride``.
@@ -107,6 +114,7 @@ def strided_perplexity(
     if n < 2:
         raise ValueError(f"perplexity needs at least 2 tokens, got {n}")
     check_int("context", context, min_value=2)
+    check_int("chunk", chunk, min_value=1)
     stride = max(context // 2, 1) if stride is None else stride
     check_int("stride", stride, min_value=1)
     if stride > context:
@@ -116,11 +124,15 @@ def strided_perplexity(
     scored = 0
     start = time.perf_counter()
     for k, (begin, end, first) in enumerate(plan, 1):
-        logits = model(input_ids=ids[None, begin:end]).logits[0]  # [end - begin, V]
-        pred = logits[first - 1 - begin : end - 1 - begin].float()  # predicts first .. end-1
-        target = ids[first:end]
-        logp = torch.log_softmax(pred, dim=-1).gather(-1, target[:, None])
-        nll -= float(logp.double().sum())
+        if cache is not None:
+            token_nll = cached_nll(model, ids[None, begin:end], cache(), chunk=chunk)
+            nll += float(token_nll[first - 1 - begin :].sum())
+        else:
+            logits = model(input_ids=ids[None, begin:end]).logits[0]  # [end - begin, V]
+            pred = logits[first - 1 - begin : end - 1 - begin].float()  # predicts first..end-1
+            target = ids[first:end]
+            logp = torch.log_softmax(pred, dim=-1).gather(-1, target[:, None])
+            nll -= float(logp.double().sum())
         scored += end - first
         if on_window is not None:
             on_window(k, len(plan))
@@ -134,3 +146,28 @@ def strided_perplexity(
         stride=stride,
         seconds=seconds,
     )
+
+
+@torch.no_grad()
+def cached_nll(model: Any, ids: Tensor, cache: Any, *, chunk: int = 16) -> Tensor:
+    """Per-token NLL of ``ids [1, T]`` decoded through ``cache``, ``chunk`` tokens a forward.
+
+    Token ``t + 1`` is predicted by the query at ``t``, which attends to the keys the cache
+    returns for the forward holding ``t``: its own chunk as written, and the earlier
+    tokens as the cache keeps them (a quantized cache: stored levels beyond its float
+    window). ``chunk=1`` is token-by-token decoding; a larger chunk is faster and, for a
+    cache whose float window is at least ``chunk`` tokens, differs only in that a query
+    early in its chunk sees the window ending at the chunk's end.
+
+    Returns:
+        ``[T - 1]`` float64: the NLL (nats) of tokens ``1 .. T-1``.
+    """
+    check_int("chunk", chunk, min_value=1)
+    n = ids.shape[1] - 1
+    out = torch.empty(n, dtype=torch.float64)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        logits = model(ids[:, s:e], past_key_values=cache, use_cache=True).logits[0]
+        logp = torch.log_softmax(logits.double(), dim=-1)  # [e - s, V]
+        out[s:e] = -logp.gather(-1, ids[0, s + 1 : e + 1, None])[:, 0]
+    return out

@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from attnlab.backends.precision import native_bf16
+
 __all__ = [
     "KERNELS",
     "LinearChoice",
@@ -65,27 +67,6 @@ class QuantWeights(Protocol):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor: ...
 
     def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]: ...
-
-
-_NATIVE_BF16: list[bool] = []  # asked once per process, then read (also inside graphs)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX via oneDNN).
-
-    torch's own answer (``torch.ops.mkldnn._is_mkldnn_bf16_supported``), asked once and
-    remembered: a compiled graph reads the remembered value instead of calling the op.
-    """
-    if not _NATIVE_BF16:
-        try:
-            ok = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            )
-        except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
-            ok = False
-        _NATIVE_BF16.append(ok)
-    return _NATIVE_BF16[0]
 
 
 def compute_dtype(x_dtype: torch.dtype, policy: str) -> tuple[torch.dtype, str]:
@@ -290,7 +271,10 @@ def choose_kernel(
         ValueError: an unknown kernel or policy, or a named kernel that cannot run ``w``.
     """
     dtype, reason = compute_dtype(x_dtype, compute)
-    forced = kernel if kernel != "auto" else _FORCED.get()
+    # inside a compiled graph the forcing context is not read (dynamo cannot trace a
+    # ContextVar): the graph keeps what was measured or forced when it was traced
+    compiling = torch.compiler.is_compiling()
+    forced = kernel if kernel != "auto" else (None if compiling else _FORCED.get())
     rejected = {k.name: why for k in KERNELS.values() if (why := k.check(w, dtype)) is not None}
     if forced is not None:
         if forced not in KERNELS:
@@ -306,7 +290,7 @@ def choose_kernel(
     if memo is not None:
         return memo
     runnable = [k for k in KERNELS.values() if k.name not in rejected]
-    if torch.compiler.is_compiling():  # no timing inside a graph: a fixed rule
+    if compiling:  # no timing inside a graph: a fixed rule (measure_kernels first avoids it)
         packed = [k.name for k in runnable if k.name != "dequant"]
         name = packed[0] if packed and bucket <= 8 else "dequant"
         return LinearChoice(name, dtype, reason, "rule", rejected=rejected, rows=bucket)

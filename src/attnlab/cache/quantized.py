@@ -31,13 +31,21 @@ approximation, never re-rounded).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from attnlab.cache.base import Start, check_rows, tensor_nbytes
 from attnlab.cache.kv_cache import DynamicKVCache, _int_start
 
-__all__ = ["KEY_MODES", "KV_DTYPES", "QuantizedKVCache", "kv_bytes_per_token"]
+__all__ = [
+    "KEY_MODES",
+    "KV_DTYPES",
+    "QuantizedKVCache",
+    "kv_bytes_per_token",
+    "quantize_model_cache",
+]
 
 #: Storage kinds and their bits.
 KV_DTYPES = ("int8", "int4", "int2")
@@ -290,3 +298,36 @@ class QuantizedKVCache(DynamicKVCache):
     def reset(self) -> None:
         super().reset()
         self._new_streams()
+
+
+def quantize_model_cache(cache: Any, **settings: Any) -> Any:
+    """Replace every growing KV layer of a fresh model cache with a :class:`QuantizedKVCache`.
+
+    Args:
+        cache: a model cache (``model.new_cache()``) whose layers are
+            :class:`~attnlab.cache.DynamicKVCache`, none holding tokens yet.
+        **settings: :class:`QuantizedKVCache`'s arguments (``kv_dtype``, ``key_mode``, ...).
+
+    Returns:
+        The same cache object.
+
+    Raises:
+        ValueError: a layer of another kind (static, paged, recurrent state, window) or a
+            cache that already holds tokens; bad settings.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"cache must be a model cache with .layers, got {type(cache).__name__}")
+    kinds = sorted({type(c).__name__ for c in layers if type(c) is not DynamicKVCache})
+    if kinds:
+        raise ValueError(
+            f"a quantized KV cache replaces growing KV caches; this cache's layers carry {kinds}"
+        )
+    if any(c.length for c in layers):
+        raise ValueError("quantize_model_cache needs a fresh cache; this one holds tokens")
+    capacity = settings.pop("capacity", None)
+    cache.layers = [
+        QuantizedKVCache(capacity=c.capacity if capacity is None else capacity, **settings)
+        for c in layers
+    ]
+    return cache

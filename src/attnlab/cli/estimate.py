@@ -55,6 +55,13 @@ def add_parser(sub: Any) -> None:
         "sparse, flex, linear (default auto)",
     )
     p.add_argument("--window", type=positive_int, help="causal sliding window of W keys")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["float", "int8", "int4", "int2"],
+        default="float",
+        help="decode: the KV cache stored in int8/int4/int2 (KIVI: keys per channel, values "
+        "per token, the newest 32 tokens in float); float: --dtype (default)",
+    )
     p.add_argument("--checkpointing", action="store_true", help="per-layer gradient checkpointing")
     p.add_argument(
         "--max-len",
@@ -167,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend,
             window=args.window,
             checkpointing=args.checkpointing,
+            kv_dtype=args.kv_dtype,
         )
         if args.json:
             print_json(report.to_dict())
@@ -179,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
             for note in report.notes:
                 print(f"  note: {note}")
         return 0
+    if args.kv_dtype != "float":
+        raise ValueError(
+            f"--kv-dtype {args.kv_dtype} costs one decoding step: give --seq-len and --mode decode"
+        )
     lens = [n for n in SEQ_LENS if n <= args.max_len]
     rows = scaling_table(
         tutorial_variants(spec, window=args.window or 512), lens, batch_size=args.batch_size

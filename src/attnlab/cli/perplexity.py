@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from attnlab.cli._common import int_at_least, positive_int, print_json
 
@@ -36,6 +38,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-tokens", type=int_at_least(2), default=None, help="score only the first N tokens"
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["float", "int8", "int4", "int2"],
+        default="float",
+        help="decode each window through a KV cache stored in this dtype (KIVI: keys per "
+        "channel, values per token, the newest --kv-residual tokens in float); "
+        "float: one forward per window, no cache",
+    )
+    p.add_argument(
+        "--kv-key-mode",
+        choices=["channel", "token"],
+        default="channel",
+        help="quantize keys per channel in groups of 32 tokens (KIVI) or per token",
+    )
+    p.add_argument(
+        "--kv-residual", type=int_at_least(0), default=32, help="newest tokens kept in float"
+    )
+    p.add_argument(
+        "--kv-chunk", type=positive_int, default=16, help="tokens per forward through the cache"
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
@@ -82,18 +104,48 @@ def run(args: argparse.Namespace) -> int:
         bar.total = total
         bar.update(1)
 
+    cache = _kv_cache(lm.model, args)
     try:
         result = strided_perplexity(
-            lm.model, ids, context=args.context, stride=stride, on_window=tick
+            lm.model,
+            ids,
+            context=args.context,
+            stride=stride,
+            on_window=tick,
+            cache=cache,
+            chunk=args.kv_chunk,
         )
     finally:
         bar.close()
     if args.json:
-        print_json({"model": lm.name, "file": args.file} | result.to_dict())
+        kv = {"kv_dtype": args.kv_dtype}
+        if cache is not None:
+            kv |= {"kv_key_mode": args.kv_key_mode, "kv_residual": args.kv_residual}
+            kv |= {"kv_chunk": args.kv_chunk}
+        print_json({"model": lm.name, "file": args.file} | kv | result.to_dict())
     else:
         print(
             f"{lm.name}: perplexity {result.perplexity:.4f} over {result.tokens} tokens "
-            f"(context {result.context}, stride {result.stride}, {result.windows} windows) in "
+            f"(context {result.context}, stride {result.stride}, {result.windows} windows, "
+            f"KV cache {args.kv_dtype}) in "
             f"{result.seconds:.1f} s, {result.tokens_per_second:.0f} tokens/s"
         )
     return 0
+
+
+def _kv_cache(model: Any, args: argparse.Namespace) -> Callable[[], Any] | None:
+    """A factory of fresh quantized model caches for ``--kv-dtype``, or None for float."""
+    if args.kv_dtype == "float":
+        return None
+    from attnlab.cache.quantized import quantize_model_cache
+
+    if not callable(getattr(model, "new_cache", None)):
+        raise ValueError(f"--kv-dtype {args.kv_dtype} needs an attnlab model with KV caches")
+    settings = {"kv_dtype": args.kv_dtype, "key_mode": args.kv_key_mode}
+    settings["residual"] = args.kv_residual
+    quantize_model_cache(model.new_cache(), **settings)  # refuses unsupported layers now
+
+    def fresh() -> Any:
+        return quantize_model_cache(model.new_cache(), **settings)
+
+    return fresh

@@ -47,7 +47,7 @@ _SPECIAL = {
 def from_gguf(
     path: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     tokenizer: bool = True,
     progress: bool = False,
     quantize: str | None = None,
@@ -59,7 +59,10 @@ def from_gguf(
 
     Args:
         path: the ``.gguf`` file.
-        dtype: float32 (default), float16 or bfloat16.
+        dtype: float32 (default), float16 or bfloat16, or ``"auto"``: bfloat16 where
+            the CPU multiplies it natively, float32 elsewhere
+            (:func:`attnlab.backends.precision.choose_float_dtype`; the choice and its
+            reason are kept in ``model.dtype_choice``).
         tokenizer: build ``model.tokenizer`` (a transformers fast tokenizer with the
             file's chat template and special tokens); needs the ``hf`` extra.
         progress: show a progress bar over the tensors on stderr (tqdm).
@@ -82,8 +85,14 @@ def from_gguf(
     from attnlab.interop import llama
     from attnlab.interop.hf import _assemble
 
+    choice = None
+    if isinstance(dtype, str):
+        from attnlab.backends.precision import choose_float_dtype
+
+        choice = choose_float_dtype(dtype)
+        dtype = choice.dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {list(_DTYPES)} or 'auto', got {dtype!r}")
     gguf = read_gguf(path)
     try:
         cfg = config_from_gguf(gguf.metadata, set(gguf.tensors), str(gguf.path))
@@ -120,6 +129,7 @@ def from_gguf(
         load_blocks(model, gguf, kept, heads, quantize)
     model.tokenizer = gguf_tokenizer(gguf) if tokenizer else None
     model.generation_config = generation_settings(gguf.metadata)
+    model.dtype_choice = choice
     return model
 
 

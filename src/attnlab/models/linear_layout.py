@@ -14,7 +14,17 @@ from attnlab.functional._checks import check_positive_int
 __all__ = ["LINEAR_MIXERS", "LinearLayerConfig"]
 
 #: the mixers that read a :class:`LinearLayerConfig`
-LINEAR_MIXERS = ("delta_net", "gated_delta_net", "gla", "rglru", "short_conv", "rwkv7", "mamba2")
+LINEAR_MIXERS = (
+    "delta_net",
+    "gated_delta_net",
+    "gla",
+    "rglru",
+    "short_conv",
+    "rwkv7",
+    "mamba2",
+    "retention",
+    "rwkv",
+)
 
 
 @dataclass(frozen=True)
@@ -22,8 +32,8 @@ class LinearLayerConfig:
     """A linear-attention or gated-recurrence mixer's settings.
 
     Attributes:
-        num_heads: key heads (DeltaNet/GDN ``H_k``, GLA ``H``, the RG-LRU's gate blocks;
-            Mamba-2: default ``width / head_dim``);
+        num_heads: key heads (DeltaNet/GDN ``H_k``, GLA ``H``, the RG-LRU's gate blocks,
+            retention's heads; Mamba-2: default ``width / head_dim``);
             default the config's ``num_attention_heads``.
         num_value_heads: value heads of (Gated) DeltaNet (a multiple of ``num_heads``);
             default ``num_heads``.
@@ -32,8 +42,9 @@ class LinearLayerConfig:
         value_head_dim: value head dim; default ``head_dim`` (GLA: the config's ``head_dim``).
         conv_kernel: width of the causal short convolution (GDN/DeltaNet 4, RG-LRU 4,
             LFM2 3).
-        width: the RG-LRU's width ``W`` (Mamba-2: its inner width ``H P``); default the
-            config's ``hidden_size`` (Mamba-2: twice it).
+        width: the RG-LRU's width ``W`` (Mamba-2: its inner width ``H P``; retention: its
+            total value width; RWKV-4: its WKV width); default the config's ``hidden_size``
+            (Mamba-2 and retention: twice it).
         conv_bias: biases in the short convolution block (LFM2's ``conv_bias``; Mamba-2's
             convolution bias).
         state_size: Mamba-2's ``N``.

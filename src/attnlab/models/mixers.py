@@ -157,11 +157,7 @@ class StateMixer(nn.Module):
         Raises:
             TypeError: ``cache`` is not a recurrent state (e.g. a KV cache).
         """
-        if cache is not None and not isinstance(cache, RecurrentState | StateSlots):
-            raise TypeError(
-                f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
-                f"{type(cache).__name__}; build the cache with the model's new_cache()"
-            )
+        self._check_cache(cache)
         if plan.layout is not None:  # a flat serving step: states in slots, by group
             assert plan.state_slots is not None and plan.positions is not None
             assert isinstance(cache, StateSlots)
@@ -177,6 +173,14 @@ class StateMixer(nn.Module):
             return out, None
         out = self.mixer(x, mask=plan.token_mask, state=cache)
         return out, None
+
+    def _check_cache(self, cache: Any) -> None:
+        """TypeError unless ``cache`` is None, a recurrent state or serving's state slots."""
+        if cache is not None and not isinstance(cache, RecurrentState | StateSlots):
+            raise TypeError(
+                f"a {type(self.mixer).__name__} layer carries a recurrent state, got a "
+                f"{type(cache).__name__}; build the cache with the model's new_cache()"
+            )
 
 
 def _mamba_settings(config: DecoderConfig, layer_index: int) -> MambaLayerConfig:
@@ -213,5 +217,6 @@ register_mixer(
     Mixer(name="mamba", build=_mamba, new_cache=lambda config, kind, max_length: MambaState())
 )
 
-# the linear-attention and gated-recurrence mixers register themselves on import
+# the linear-attention, gated-recurrence and retention mixers register themselves on import
 from attnlab.models import linear_mixers as _linear_mixers  # noqa: E402, F401
+from attnlab.models import recurrent_mixers as _recurrent_mixers  # noqa: E402, F401
