@@ -17,9 +17,12 @@ Each side's padding share is the part of the token slots it computes that hold n
 
 **Peak memory.** A fresh process per mode loads the model, sets up full fine-tuning
 (every weight trains, AdamW over all), LoRA, or QLoRA (the base's linear layers in NF4,
-loaded through bfloat16), runs two steps on the same packed batch and reports its peak
-resident memory (``VmHWM``; not ``ru_maxrss``, which survives ``exec``), everything included: the libraries, the weights, the
-gradients, AdamW's state and the activations.
+loaded through bfloat16), runs two steps on the same packed batch (the loss computed as
+the Trainer computes it, without holding the ``[B, L, V]`` logits) and reports its peak
+resident memory (``VmHWM``; not ``ru_maxrss``, which survives ``exec``), everything
+included: the libraries, the weights, the gradients, AdamW's state and the activations;
+and that peak less the process's resident memory before it loads any weight (Python,
+torch and attnlab imported: what no training setting can change).
 """
 
 from __future__ import annotations
@@ -112,8 +115,8 @@ def _step_fn(model: Any, batches: list[Any], kind: str) -> Any:
     def step() -> None:
         total = sum(b.num_targets for b in batches)
         for b in batches:
-            if kind == "attnlab":
-                loss = model(**model_inputs(b, "decoder")).loss
+            if kind == "attnlab":  # as the Trainer calls it: no [B, L, V] logits held
+                loss = model(**model_inputs(b, "decoder"), return_logits=False).loss
             else:
                 loss = model(
                     input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels
@@ -126,8 +129,11 @@ def _step_fn(model: Any, batches: list[Any], kind: str) -> Any:
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
+    from attnlab.train.allocator import hold_mmap_threshold
     from attnlab.train.sft import choose_layout, pack_examples, packed_batch, padded_batch
 
+    if args.allocator != "glibc":  # the allocator `attnlab finetune` runs with, both sides
+        hold_mmap_threshold()
     torch.set_num_threads(1)
     base, tok = _load(args.model)
     examples = _examples(tok, args.examples, 0)
@@ -183,12 +189,24 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _rss() -> int:
+    """This process's resident memory now (``VmRSS``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def child(args: argparse.Namespace) -> None:
+    from attnlab.train.allocator import hold_mmap_threshold
     from attnlab.train.sft import pack_examples, packed_batch
     from attnlab.train.trainer import model_inputs
 
+    if args.allocator == "held" and not hold_mmap_threshold():  # as `attnlab finetune` does
+        raise SystemExit("this C library has no mallopt: run with --allocator glibc")
     torch.set_num_threads(1)
     mode = args.child
+    before = _rss()  # the process before any weight: Python, torch, attnlab
     base, tok = _load(args.model, torch.bfloat16 if mode == "qlora" else torch.float32)
     if mode == "full":
         model = base.float().train()
@@ -205,27 +223,39 @@ def child(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=False)
     losses = []
     for _ in range(2):
-        loss = model(**model_inputs(batch, "decoder")).loss
+        loss = model(**model_inputs(batch, "decoder"), return_logits=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     peak = _peak_rss()
     trainable = sum(p.numel() for p in params)
-    print(json.dumps({"peak_bytes": peak, "trainable": trainable, "losses": losses}))
+    print(json.dumps({"peak_bytes": peak, "before_bytes": before, "trainable": trainable,
+                      "losses": losses}))  # fmt: skip
 
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
+    return {a: _memory(args, a) for a in (("held", "glibc") if args.allocator == "both"
+                                          else (args.allocator,))}  # fmt: skip
+
+
+def _memory(args: argparse.Namespace, allocator: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("full", "lora", "qlora"):
         cmd = [sys.executable, __file__, "--child", mode, "--model", args.model,
                "--max-len", str(args.max_len), "--micro", str(args.micro),
-               "--examples", str(args.examples), "--rank", str(args.rank)]  # fmt: skip
+               "--examples", str(args.examples), "--rank", str(args.rank),
+               "--allocator", allocator]  # fmt: skip
         cmd += ["--checkpointing"] if args.checkpointing else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    full = out["full"]
     for mode in ("lora", "qlora"):
-        out[mode]["ratio_to_full"] = out[mode]["peak_bytes"] / out["full"]["peak_bytes"]
+        m = out[mode]
+        m["ratio_to_full"] = m["peak_bytes"] / full["peak_bytes"]
+        m["ratio_to_full_over_process"] = (m["peak_bytes"] - m["before_bytes"]) / (
+            full["peak_bytes"] - full["before_bytes"]
+        )
     return out
 
 
@@ -259,7 +289,9 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
             f"One step = {sp['examples_per_step']} chat examples ({sp['tokens_per_step']} tokens, "
             f"{sp['lengths'][0]}-{sp['lengths'][1]} per example); forwards of {args.micro} packed "
             f"rows of {args.max_len} or {args.examples_per_forward} padded examples; one thread, "
-            f"process time, median of {args.rounds} alternating rounds.",
+            f"process time, median of {args.rounds} alternating rounds"
+            + ("" if args.allocator == "glibc" else "; glibc's mmap threshold held, both sides")
+            + ".",
             "",
             "| side | step (ms) | padding share | vs peft |",
             "|---|---|---|---|",
@@ -268,24 +300,36 @@ def report(args: argparse.Namespace, sp: dict[str, Any] | None, mem: dict[str, A
         for k, ms in sp["step_ms"].items():
             lines.append(f"| {k} | {ms:.0f} | {sp['padding'][k]:.0%} | {peft_ms / ms:.2f}x |")
         lines += ["", f"Cost model's choice: {sp['choice']}.", ""]
-    if mem is not None:
-        full = mem["full"]["peak_bytes"]
-        lines += [
-            f"Peak memory (fresh process each, VmHWM, two steps on {args.micro} packed rows "
-            f"of {args.max_len}"
-            + (", gradient checkpointing in every mode" if args.checkpointing else "")
-            + "):",
-            "",
-            "| mode | trainable parameters | peak RSS (MiB) | vs full |",
-            "|---|---|---|---|",
-        ]
-        for mode in ("full", "lora", "qlora"):
-            m = mem[mode]
-            lines.append(
-                f"| {mode} | {m['trainable']:,} | {m['peak_bytes'] / 2**20:.0f} | "
-                f"{m['peak_bytes'] / full:.2f} |"
-            )
+    for allocator, res in (mem or {}).items():
+        lines += _memory_table(args, allocator, res)
     return "\n".join(lines)
+
+
+def _memory_table(args: argparse.Namespace, allocator: str, mem: dict[str, Any]) -> list[str]:
+    full = mem["full"]["peak_bytes"]
+    if allocator == "held":
+        how = "glibc's mmap threshold held at 128 KiB, as `attnlab finetune` holds it"
+    else:
+        how = "glibc's allocator as it starts (dynamic mmap threshold)"
+    ck = ", gradient checkpointing in every mode" if args.checkpointing else ""
+    lines = [
+        f"Peak memory (fresh process each, VmHWM, two steps on {args.micro} packed rows "
+        f"of {args.max_len}{ck}; {how}):",
+        "",
+        "| mode | trainable parameters | peak RSS (MiB) | vs full | process before the "
+        "weights (MiB) | peak over it (MiB) | vs full |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    full_over = full - mem["full"]["before_bytes"]
+    for mode in ("full", "lora", "qlora"):
+        m = mem[mode]
+        over = m["peak_bytes"] - m["before_bytes"]
+        lines.append(
+            f"| {mode} | {m['trainable']:,} | {m['peak_bytes'] / 2**20:.0f} | "
+            f"{m['peak_bytes'] / full:.2f} | {m['before_bytes'] / 2**20:.0f} | "
+            f"{over / 2**20:.0f} | {over / full_over:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -306,6 +350,11 @@ def main() -> None:
         "--checkpointing", action="store_true", help="memory runs with gradient checkpointing"
     )
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument(
+        "--allocator", choices=["held", "glibc", "both"], default="both",
+        help="memory runs with glibc's mmap threshold held (as `attnlab finetune`), as "
+        "glibc starts, or both",
+    )  # fmt: skip
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--child", choices=["full", "lora", "qlora"], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.backends import explain
+from attnlab.backends import explain, flex_masks
 from attnlab.backends import flex as flex_mod
 from attnlab.functional import masks as M
 from attnlab.functional import scaled_dot_product_attention, sdpa_reference
@@ -118,7 +118,7 @@ def test_refuses_rather_than_running_unfused(monkeypatch: pytest.MonkeyPatch) ->
     pattern = M.sliding_window(16)
     assert "limit" not in explain(x, x, x, pattern).reasons["flex"]  # it can run here
     monkeypatch.setattr(flex_mod, "MAX_FAMILIES", len(flex_mod._entries))
-    monkeypatch.setattr(flex_mod, "_block_masks", type(flex_mod._block_masks)())
+    monkeypatch.setattr(flex_masks, "_block_masks", type(flex_masks._block_masks)())
     new_family = M.sliding_window(17)  # a window this process has not compiled
     why = explain(x, x, x, new_family).reasons["flex"]
     assert "limit" in why and "every sequence length" in why
@@ -129,7 +129,7 @@ def test_refuses_rather_than_running_unfused(monkeypatch: pytest.MonkeyPatch) ->
         scaled_dot_product_attention(x, x, x, new_family, backend="flex")
     with pytest.raises(RuntimeError, match="cannot get a fused FlexAttention kernel"):
         flex_mod.flex_attention(x, x, x, new_family)
-    assert not flex_mod._block_masks  # refused before any work
+    assert not flex_masks._block_masks  # refused before any work
     monkeypatch.setattr(flex_mod, "MAX_FAMILIES", 10**6)
     with torch._dynamo.config.patch(disable=True):
         assert "disabled" in explain(x, x, x, M.sliding_window(18)).reasons["flex"]

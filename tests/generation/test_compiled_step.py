@@ -174,3 +174,27 @@ def test_a_failed_automatic_compile_warns_and_decodes_eagerly(
     assert torch.equal(got, generate(model, ids, 128, attention_mask=mask, compile=False))
     with pytest.raises(torch._dynamo.exc.TorchDynamoException):
         generate(model, ids, 128, attention_mask=mask, compile=True)
+
+
+@pytest.mark.parametrize("spec", ["int8:g32", "int4"])
+def test_quantized_decode_step_has_no_graph_break(spec: str) -> None:
+    """Quantized layers inside the compiled step: no graph break (kernel choice read from
+    what was measured eagerly, never timed or a context variable read inside the graph)."""
+    from attnlab.models.quantize import measure_kernels, quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(DecoderLM(DecoderConfig.llama(**LONG | {"hidden_size": 64})), spec)
+    model.eval()
+    ids = torch.randint(1, 40, (1, 6), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(kind="static", max_length=16, batch_size=1)
+    choices = measure_kernels(model, 1)
+    assert {c.how for c in choices.values()} == {"measured"}
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        start = torch.tensor(6)
+        backend = model.decode_backend(ids[:, -1:], cache=cache, start=start)
+        explained = torch._dynamo.explain(model.decode_step)(
+            ids[:, -1:], cache=cache, start=start, position_ids=None, attention_mask=None,
+            backend=backend,
+        )  # fmt: skip
+    assert explained.graph_break_count == 0, explained.break_reasons

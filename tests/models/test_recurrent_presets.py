@@ -1,5 +1,5 @@
-"""Mamba, Mamba-2 and RetNet as presets of the one decoder shell: a DecoderLM of
-``mamba``/``mamba2``/``retention`` layers with the recurrent model's weights computes its
+"""Mamba, Mamba-2, RWKV-4 and RetNet as presets of the one decoder shell: a DecoderLM of
+``mamba``/``mamba2``/``rwkv``/``retention`` layers with the recurrent model's weights computes its
 logits (padded batches and cached decoding included) and generates its tokens; the
 retention mixer mixes with attention in one layout, and its cached decoding equals its
 forward."""
@@ -10,17 +10,16 @@ import pytest
 import torch
 
 from attnlab.cache.kv_cache import DynamicKVCache
-from attnlab.cache.recurrent import Mamba2State, MambaState, RetentionState
+from attnlab.cache.recurrent import Mamba2State, MambaState, RetentionState, RWKVState
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.recurrent import MambaLM, RetNetLM
-from attnlab.models.recurrent_config import MambaConfig, RetNetConfig
+from attnlab.models.recurrent import RWKVLM, MambaLM, RetNetLM
+from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 from attnlab.models.recurrent_presets import (
-    mamba_as_decoder,
+    as_decoder,
     mamba_decoder_config,
-    retnet_as_decoder,
     retnet_decoder_config,
 )
 
@@ -92,7 +91,7 @@ def test_the_mamba_preset_computes_mambas_logits(
     version: int, kw: dict[str, object], state: type
 ) -> None:
     ours = _mamba(version, **kw)
-    preset = mamba_as_decoder(ours)
+    preset = as_decoder(ours)
     assert preset.num_parameters() == ours.num_parameters()
     assert [type(c) for c in preset.new_cache().layers] == [state] * 2
     _assert_same_function(preset, ours)
@@ -105,9 +104,24 @@ def test_the_mamba_preset_computes_mambas_logits(
 )
 def test_the_retnet_preset_computes_retnets_logits(kw: dict[str, object]) -> None:
     ours = _retnet(**kw)
-    preset = retnet_as_decoder(ours)
+    preset = as_decoder(ours)
     assert preset.num_parameters() == ours.num_parameters()
     assert [type(c) for c in preset.new_cache().layers] == [RetentionState] * 2
+    _assert_same_function(preset, ours)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"attention_hidden_size": 24, "tie_word_embeddings": True}], ids=["plain", "wide"]
+)
+def test_the_rwkv_preset_computes_rwkvs_logits(kw: dict[str, object]) -> None:
+    torch.manual_seed(0)
+    ours = _perturbed(
+        RWKVLM(RWKVConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, chunk_size=4, **kw))
+    )
+    assert isinstance(ours, RWKVLM)
+    preset = as_decoder(ours)
+    assert preset.num_parameters() == ours.num_parameters()
+    assert [type(c) for c in preset.new_cache().layers] == [RWKVState] * 2
     _assert_same_function(preset, ours)
 
 
@@ -140,8 +154,6 @@ def test_retention_mixes_with_attention() -> None:
 def test_bad_inputs_are_named() -> None:
     with pytest.raises(TypeError, match="MambaConfig"):
         mamba_decoder_config(RetNetConfig())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="MambaLM"):
-        mamba_as_decoder(_retnet())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="RetNetConfig"):
         retnet_decoder_config(DecoderConfig(vocab_size=V))  # type: ignore[arg-type]
     small = DecoderConfig(
@@ -151,5 +163,5 @@ def test_bad_inputs_are_named() -> None:
         num_attention_heads=2,
         intermediate_size=16,
     )
-    with pytest.raises(TypeError, match="RetNetLM"):
-        retnet_as_decoder(DecoderLM(small))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="MambaLM, RWKVLM or RetNetLM, got DecoderLM"):
+        as_decoder(DecoderLM(small))  # type: ignore[arg-type]

@@ -49,7 +49,6 @@ import os
 import shutil
 import sys
 import types
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +59,7 @@ from attnlab.backend_traits import TRAITS
 from attnlab.backends.blocks import check_blockwise_call, flatten_batch, mask_spec, weights_from_lse
 from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, computed_pairs, estimate, lse_pass
+from attnlab.backends.flex_masks import BLOCK_SIZE, cached_block_mask, cached_score_mod
 from attnlab.backends.registry import forget_choices, register
 from attnlab.functional.attention import empty_attention, repeat_kv
 from attnlab.functional.masks import MaskPattern
@@ -68,8 +68,6 @@ __all__ = ["BLOCK_SIZE", "COMPILE_SECONDS", "compiled_kernels", "flex_attention"
 
 logger = logging.getLogger(__name__)
 
-#: FlexAttention's tile size (its default).
-BLOCK_SIZE = TRAITS["flex"].tile()[0]
 #: What a first call for a new kernel costs on this project's CPU (cold inductor cache).
 COMPILE_SECONDS = 15.0
 #: Kernel families (see :func:`_family`) this backend compiles at most in one process;
@@ -79,8 +77,6 @@ MAX_FAMILIES = 32
 #: a family compiles once static, once dynamic, and once per size-1 specialisation).
 _RECOMPILE_LIMIT = 16
 
-_MAX_CACHED = 64
-_block_masks: OrderedDict[tuple[Any, ...], tuple[MaskPattern | None, Any]] = OrderedDict()
 #: One compiled entry point per kernel family.
 _entries: dict[tuple[Any, ...], Callable[..., Any]] = {}
 #: The shapes served so far, per family and size-1 specialisation (:func:`_kernel_key`):
@@ -90,7 +86,6 @@ _kernels: dict[tuple[Any, ...], set[tuple[int, int]] | None] = {}
 _graphs_compiled = 0
 #: Set when dynamo refused to compile (its limits): why this backend refuses from then on.
 _broken: str | None = None
-_score_fns: OrderedDict[int, tuple[MaskPattern | None, Callable[..., Tensor]]] = OrderedDict()
 
 
 def _call_flex(
@@ -160,10 +155,6 @@ def _entry(family: tuple[Any, ...]) -> Callable[..., Any]:
         fn = torch.compile(copy, fullgraph=True)  # dynamic=None: lengths dynamic on change
         _entries[family] = fn
     return fn
-
-
-def _pattern_key(pattern: MaskPattern | None) -> int:
-    return 0 if pattern is None else id(pattern)
 
 
 def _family(
@@ -260,57 +251,6 @@ def _compile_refusal(family: tuple[Any, ...], needs_compile: bool) -> str | None
             f"process (its limit, {MAX_FAMILIES}; each serves every sequence length)"
         )
     return None
-
-
-def _block_mask(
-    user_pattern: MaskPattern | None,
-    is_causal: bool,
-    pattern: MaskPattern,
-    n: int,
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-) -> Any:
-    """The cached ``BlockMask`` of ``pattern`` (= ``user_pattern``, ``& causal()`` if asked)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    batch = n if pattern.batch_dependent else None
-    key = (_pattern_key(user_pattern), is_causal, batch, q_len, kv_len, str(device))
-    hit = _block_masks.get(key)
-    if hit is not None:
-        _block_masks.move_to_end(key)
-        return hit[1]
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return pattern.mask_mod(b, h, q_idx, kv_idx)
-
-    bm = create_block_mask(
-        mask_mod, batch, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK_SIZE
-    )
-    # Keep the user's pattern alive with its block mask, so that its id is not reused.
-    _block_masks[key] = (user_pattern, bm)
-    if len(_block_masks) > _MAX_CACHED:
-        _block_masks.popitem(last=False)
-    return bm
-
-
-def _score_mod(pattern: MaskPattern | None) -> Callable[..., Tensor]:
-    """One ``score_mod`` function per pattern: a new function object would recompile."""
-    key = _pattern_key(pattern)
-    hit = _score_fns.get(key)
-    if hit is not None:
-        return hit[1]
-    mods = pattern.score_mods if pattern is not None else ()
-
-    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        for m in mods:
-            score = m(score, b, h, q_idx, kv_idx)
-        return score
-
-    _score_fns[key] = (pattern, score_mod)
-    if len(_score_fns) > _MAX_CACHED:
-        _score_fns.popitem(last=False)
-    return score_mod
 
 
 def _run_compiled(
@@ -413,7 +353,7 @@ def flex_attention(
         raise RuntimeError(f"flex cannot get a fused FlexAttention kernel for this call: {why}")
     block_mask = None
     if spec.pattern is not None:
-        block_mask = _block_mask(user_pattern, is_causal, spec.pattern, n, L, S, q.device)
+        block_mask = cached_block_mask(user_pattern, is_causal, spec.pattern, n, L, S, q.device)
     scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gqa = q.shape[1] != k.shape[1]
     cpu = q.device.type == "cpu"
@@ -424,7 +364,7 @@ def flex_attention(
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [N, H, S, E]
         gqa = False
-    score_mod = _score_mod(user_pattern) if spec.score_mods else None
+    score_mod = cached_score_mod(user_pattern) if spec.score_mods else None
     result = _run_compiled(
         family,
         kernel,

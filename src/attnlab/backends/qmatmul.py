@@ -271,7 +271,10 @@ def choose_kernel(
         ValueError: an unknown kernel or policy, or a named kernel that cannot run ``w``.
     """
     dtype, reason = compute_dtype(x_dtype, compute)
-    forced = kernel if kernel != "auto" else _FORCED.get()
+    # inside a compiled graph the forcing context is not read (dynamo cannot trace a
+    # ContextVar): the graph keeps what was measured or forced when it was traced
+    compiling = torch.compiler.is_compiling()
+    forced = kernel if kernel != "auto" else (None if compiling else _FORCED.get())
     rejected = {k.name: why for k in KERNELS.values() if (why := k.check(w, dtype)) is not None}
     if forced is not None:
         if forced not in KERNELS:
@@ -287,7 +290,7 @@ def choose_kernel(
     if memo is not None:
         return memo
     runnable = [k for k in KERNELS.values() if k.name not in rejected]
-    if torch.compiler.is_compiling():  # no timing inside a graph: a fixed rule
+    if compiling:  # no timing inside a graph: a fixed rule (measure_kernels first avoids it)
         packed = [k.name for k in runnable if k.name != "dequant"]
         name = packed[0] if packed and bucket <= 8 else "dequant"
         return LinearChoice(name, dtype, reason, "rule", rejected=rejected, rows=bucket)

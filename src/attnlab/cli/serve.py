@@ -67,6 +67,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="KV-cache blocks in the pool, each of --block-size tokens for every layer "
         "(default: enough for --max-num-seqs sequences of half the context, at most 1 GiB)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["float", "int8", "int4"],
+        default="float",
+        help="how the paged pool stores keys and values: the model's dtype (default), or "
+        "int8/int4 quantized per token (dequantized when a step gathers them)",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
         "--max-batched-tokens", type=positive_int, default=512, help="token budget per step"
@@ -75,6 +82,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-waiting", type=positive_int, default=256, help="queued requests before 429"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--sink-window",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="refused: the paged engine cannot honour an attention-sink cache (use "
+        "`attnlab generate --sink-window W`)",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -127,7 +142,21 @@ def _embeddings(args: argparse.Namespace) -> tuple[Any, bool]:
     return load_embeddings(folder, model_name=name), only
 
 
+#: Why ``--sink-window`` is refused (docs/serving.md repeats it).
+SINK_REFUSAL = (
+    "--sink-window: the paged engine cannot honour a sink cache. StreamingLLM gives the "
+    "kept tokens their positions within the cache, so every step re-rotates each "
+    "sequence's sink keys by the number of tokens it has evicted, while the paged blocks "
+    "hold keys rotated once at their absolute positions and shared between sequences "
+    "(prefix caching); keeping the sinks at absolute positions instead would change what "
+    "the model computes past its context. Stream one text with `attnlab generate "
+    "--sink-window W` or attnlab.generation.sink_cache"
+)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.sink_window is not None:
+        raise ValueError(SINK_REFUSAL)
     try:
         import uvicorn
 
@@ -180,6 +209,7 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         progress=True,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
+        kv_dtype=args.kv_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
@@ -189,8 +219,10 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
     )
     blocks, size = engine.pool.num_blocks, engine.pool.block_size
-    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens)"
+    kv = engine.pool.storage.kv_dtype or "float"
+    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
     info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
+    info["kv_dtype"] = kv
     if embeddings is not None:
         banner += f", embeddings of {embeddings.model_name}"
         info["embeddings"] = embeddings.model_name

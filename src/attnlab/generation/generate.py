@@ -157,6 +157,11 @@ class _DecoderSteps:
                 "a sink cache decodes eagerly and unpadded (its rows share one layout): "
                 "pass compile=False and no padded attention_mask"
             )
+        if compiled:  # quantized layers measure their decode kernels now, not in the graph
+            from attnlab.models.quantize import measure_kernels
+
+            floats = [t.dtype for t in model.parameters() if t.is_floating_point()]
+            measure_kernels(model, b, floats[0] if floats else torch.float32)
         # models without a trusted decode step (recurrent) run their forward
         self.step_fn: Any = (
             compiled_decode_step(model) if compiled else getattr(model, "decode_step", None)

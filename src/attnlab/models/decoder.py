@@ -32,7 +32,7 @@ from attnlab.backends.call import AttentionCall
 from attnlab.backends.select import choose_call
 from attnlab.cache.base import KVCache, LayerCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
-from attnlab.functional.losses import causal_lm_loss
+from attnlab.functional.losses import causal_lm_loss, chunked_causal_lm_loss
 from attnlab.functional.masks import MaskPattern
 from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
@@ -41,6 +41,7 @@ from attnlab.models.decoder_attention import (
     attention_call,
     attention_pattern,
     attention_plans,
+    explain,
     first_kv,
 )
 from attnlab.models.decoder_build import build_decoder_layer, build_feed_forward, build_moe
@@ -210,6 +211,7 @@ class DecoderLM(CausalLMShell):
         logits_to_keep: int = 0,
         output_router_logits: bool = False,
         labels: Tensor | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """Next-token logits for ``L`` new tokens, after the cached ones.
 
@@ -234,6 +236,8 @@ class DecoderLM(CausalLMShell):
             labels: ``[B, L]`` target ids (usually ``input_ids``; ``-100`` = ignored);
                 the output's ``loss`` is the next-token cross-entropy, shifted as
                 transformers shifts it.
+            return_logits: False: ``logits=None``, the loss computed without them
+                (:func:`~attnlab.functional.losses.chunked_causal_lm_loss`).
 
         Returns:
             :class:`CausalLMOutput`.
@@ -242,6 +246,9 @@ class DecoderLM(CausalLMShell):
             ValueError: mismatched batch sizes or lengths, positions beyond a learned
                 table, a cache too small.
         """
+        if not return_logits and (labels is None or logits_to_keep):
+            given = f"labels={'given' if labels is not None else None}, {logits_to_keep=}"
+            raise ValueError(f"return_logits=False needs labels and logits_to_keep=0: {given}")
         x = self._embed_tokens(input_ids, inputs_embeds)  # [B, L, D]
         b, n = x.shape[:2]
         extra = attention_mask if isinstance(attention_mask, MaskPattern) else None
@@ -268,14 +275,21 @@ class DecoderLM(CausalLMShell):
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
             extra=extra,
+            head=return_logits,
         )
         aux_loss = None
         if output_router_logits and routers:
             # a pattern (packed rows) has no padding to leave out of the balance
             aux_loss = self._aux_loss(list(routers), pad_mask, b, n)
+        loss = None
+        if labels is not None and return_logits:
+            loss = causal_lm_loss(logits, labels)
+        elif labels is not None:  # ``logits`` holds the final hidden states
+            v = self.config.vocab_size
+            loss = chunked_causal_lm_loss(logits, self._head, labels, vocab_size=v)
         return CausalLMOutput(
-            logits=logits,
-            loss=causal_lm_loss(logits, labels) if labels is not None else None,
+            logits=logits if return_logits else None,
+            loss=loss,
             past_key_values=cache if (use_cache or past_key_values is not None) else None,
             hidden_states=hidden,
             attentions=attentions,
@@ -392,11 +406,13 @@ class DecoderLM(CausalLMShell):
         output_router_logits: bool = False,
         extra: MaskPattern | None = None,
         backend: str | None = None,
+        head: bool = True,
     ) -> tuple[
         Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None
     ]:
         """The one forward, after validation: ``(logits, hidden states, attentions, router
-        logits)``; ``extra`` is a user pattern combined with the model's own (no cache)."""
+        logits)``; ``extra`` is a user pattern combined with the model's own (no cache);
+        ``head=False`` returns the final hidden states ``[B, L, D]`` in the logits' place."""
         n = x.shape[1]
         device = x.device
         q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
@@ -426,7 +442,7 @@ class DecoderLM(CausalLMShell):
             hidden[-1] = x
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self._head(x)  # [B, L, V]
+        logits = self._head(x) if head else x  # [B, L, V] (or [B, L, D])
         return (
             logits,
             tuple(hidden) if output_hidden_states else None,
@@ -441,20 +457,7 @@ class DecoderLM(CausalLMShell):
         window: the layers, their window and pattern, and the registry's
         :class:`~attnlab.backends.call.Explanation` of the backend they run
         (``str()`` of an entry prints it). Runs no layer."""
-        b, n = input_ids.shape
-        x = self._float_param().new_empty((b, n, self.config.hidden_size))  # shape and dtype
-        mask = self._check_mask(attention_mask, b, n)
-        q_slots = torch.arange(n, device=x.device)[None]
-        plans = attention_plans(self, x, 0, mask, q_slots, q_slots, None, False, None, None)
-        out = []
-        for window, plan in plans.items():
-            layers = tuple(i for i, w in enumerate(self.layer_windows) if w == window)
-            pattern = plan.pattern
-            shown = (
-                "causal (is_causal)" if pattern is None and plan.call.is_causal else repr(pattern)
-            )
-            out.append(AttentionGroup(layers, window, shown, choose_call(plan.call, self.backend)))
-        return out
+        return explain(self, input_ids, attention_mask)
 
     def _embed_extras(self, x: Tensor, positions: Tensor) -> Tensor:
         """What follows the token embedding: Gemma's scale, absolute positions, the

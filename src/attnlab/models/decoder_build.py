@@ -10,6 +10,7 @@ from torch import nn
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.models.mixers import MixerParts, build_mixer
+from attnlab.models.recurrent_mixers import rwkv_channel_mix
 from attnlab.modules.decoder_layer import DecoderLayer
 from attnlab.modules.experts import Experts, Router
 from attnlab.modules.linear import make_linear
@@ -20,11 +21,16 @@ from attnlab.modules.norms import make_norm
 __all__ = ["build_decoder_layer", "build_feed_forward", "build_moe"]
 
 
-def build_feed_forward(config: DecoderConfig, spec: LayerSpec) -> nn.Module | None:
-    """The feed-forward ``spec`` names: dense (the config's ``mlp``), MoE, or None."""
+def build_feed_forward(
+    config: DecoderConfig, spec: LayerSpec, *, layer_index: int = 0
+) -> nn.Module | None:
+    """The feed-forward ``spec`` names: dense (the config's ``mlp``), MoE, RWKV's channel
+    mix (initialised for layer ``layer_index``), or None."""
     d = config.hidden_size
     if spec.ffn == "none":
         return None
+    if spec.ffn == "rwkv":
+        return rwkv_channel_mix(config, layer_index)
     if spec.ffn == "moe":
         assert spec.moe is not None
         return build_moe(spec.moe, d, bias=config.mlp_bias)
@@ -98,7 +104,7 @@ def build_decoder_layer(
         config,
         MixerParts(layer_index=layer_index, rotary=rotary, backend=backend),
     )
-    ff = build_feed_forward(config, spec)
+    ff = build_feed_forward(config, spec, layer_index=layer_index)
     sandwich = config.norm_placement == "sandwich"
 
     def norm() -> nn.Module:

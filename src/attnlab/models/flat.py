@@ -87,7 +87,9 @@ def run_grouped(
     return out
 
 
-def _flat_plans(model: DecoderLM, x: Tensor, batch: FlatBatch) -> dict[int | None, AttentionPlan]:
+def _flat_plans(
+    model: DecoderLM, x: Tensor, batch: FlatBatch, cache: ModelCache
+) -> dict[int | None, AttentionPlan]:
     """One plan per sliding window of the layers: the per-sequence pattern (causal, the
     window, the score modifiers; no padding: there is none) on each token's position."""
     c = model.config
@@ -95,7 +97,9 @@ def _flat_plans(model: DecoderLM, x: Tensor, batch: FlatBatch) -> dict[int | Non
     lengths = batch.layout.lengths
     n_s, width = len(lengths), max(lengths)
     total = max(batch.blocks.lengths) if batch.blocks is not None else width
-    block_size = batch.blocks.block_size if batch.blocks is not None else 0
+    # a pool holding int8/int4 levels is read by gathering only (its layers say block 0)
+    quantized = any(getattr(c, "block_size", None) == 0 for c in cache.layers)
+    block_size = batch.blocks.block_size if batch.blocks is not None and not quantized else 0
     plans: dict[int | None, AttentionPlan] = {}
     for window in dict.fromkeys(model.layer_windows):
         pattern = layer_pattern(window, None, None, model._score_mods)
@@ -137,7 +141,7 @@ def decoder_forward_flat(
     pool's layer, or its state slots); logits ``[n_s, V]`` of each sequence's last token.
     """
     x = model._embed_extras(model.embed_tokens(input_ids), batch.positions)  # [1, N, D]
-    plans = _flat_plans(model, x, batch)
+    plans = _flat_plans(model, x, batch, cache)
     for layer, layer_cache, window in zip(model.layers, cache.layers, model.layer_windows):
         x = layer(x, plans[window], layer_cache)[0]
     x = model.norm(x.index_select(1, batch.last))  # [1, n_s, D]

@@ -19,7 +19,7 @@ from attnlab.modules.activations import activation_names
 
 __all__ = ["FFN_KINDS", "LayerSpec", "MambaLayerConfig", "MoEConfig"]
 
-FFN_KINDS = ("dense", "moe", "none")
+FFN_KINDS = ("dense", "moe", "none", "rwkv")
 EXPERT_MLPS = ("gated", "standard")
 DISPATCHES = ("dropless", "capacity", "reference")
 
@@ -150,12 +150,14 @@ class LayerSpec:
         mixer: a name registered in :mod:`attnlab.models.mixers` (``"attention"``; the
             state-space mixers register theirs).
         ffn: ``"dense"`` (the config's ``mlp``/``intermediate_size``), ``"moe"`` (with
-            ``moe``) or ``"none"`` (a mixer-only layer, as in Mamba).
+            ``moe``), ``"rwkv"`` (RWKV-4's channel mix, ``intermediate_size`` wide, whose
+            token shift lives in the layer's ``RWKVState``) or ``"none"`` (a mixer-only
+            layer, as in Mamba).
         moe: the mixture of experts when ``ffn == "moe"``.
         mamba: the Mamba mixer's settings when ``mixer == "mamba"`` (None: the defaults).
         linear: the settings of a linear-attention or gated-recurrence mixer
             (``"delta_net"``, ``"gated_delta_net"``, ``"gla"``, ``"rglru"``, ``"short_conv"``,
-            ``"rwkv7"``, ``"mamba2"``; None: the defaults).
+            ``"rwkv7"``, ``"mamba2"``, ``"retention"``, ``"rwkv"``; None: the defaults).
         sliding_window: this attention layer's window ``W`` (each token sees ``W`` tokens,
             itself included), or None for the config's ``sliding_window``: local layers
             between global ones (Gemma 2 and 3, Qwen2's ``layer_types``).

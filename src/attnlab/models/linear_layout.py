@@ -23,6 +23,7 @@ LINEAR_MIXERS = (
     "rwkv7",
     "mamba2",
     "retention",
+    "rwkv",
 )
 
 
@@ -42,8 +43,8 @@ class LinearLayerConfig:
         conv_kernel: width of the causal short convolution (GDN/DeltaNet 4, RG-LRU 4,
             LFM2 3).
         width: the RG-LRU's width ``W`` (Mamba-2: its inner width ``H P``; retention: its
-            total value width); default the config's ``hidden_size`` (Mamba-2 and
-            retention: twice it).
+            total value width; RWKV-4: its WKV width); default the config's ``hidden_size``
+            (Mamba-2 and retention: twice it).
         conv_bias: biases in the short convolution block (LFM2's ``conv_bias``; Mamba-2's
             convolution bias).
         state_size: Mamba-2's ``N``.

@@ -32,7 +32,8 @@ class CausalLMOutput:
     """Output of a decoder-only language model.
 
     Attributes:
-        logits: ``[B, L, V]`` next-token scores for each new token.
+        logits: ``[B, L, V]`` next-token scores for each new token (None when the loss
+            was computed without them: ``return_logits=False``).
         past_key_values: the :class:`~attnlab.cache.ModelCache` when ``use_cache=True``.
         hidden_states: embeddings output and every layer's output, when asked for.
         attentions: one ``[B, H, L, S]`` tensor per layer, when ``output_attentions=True``.
@@ -43,7 +44,7 @@ class CausalLMOutput:
             transformers returns it), when ``output_router_logits=True``.
     """
 
-    logits: Tensor
+    logits: Tensor | None
     past_key_values: Any = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None

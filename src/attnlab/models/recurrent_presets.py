@@ -2,11 +2,13 @@
 
 :func:`mamba_decoder_config` writes a :class:`~attnlab.models.recurrent_config.MambaConfig`
 as ``mamba`` (version 1) or ``mamba2`` (version 2) layers without feed-forwards, and
-:func:`mamba_as_decoder` moves a :class:`~attnlab.models.recurrent.MambaLM`'s weights
-into it. :func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
+:func:`as_decoder` moves a :class:`~attnlab.models.recurrent.MambaLM`'s weights
+into it; :func:`rwkv_decoder_config` do the same for RWKV-4
+(``mixer="rwkv"``, ``ffn="rwkv"``, LayerNorms, the embedding norm as its ``pre_ln``).
+:func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
 as a :class:`~attnlab.models.decoder_config.DecoderConfig` of ``retention`` layers
 (:mod:`attnlab.models.recurrent_mixers`) with gated feed-forwards, RMSNorms and no
-position embedding, and :func:`retnet_as_decoder` moves a
+position embedding, and :func:`as_decoder` moves a
 :class:`~attnlab.models.recurrent.RetNetLM`'s weights into that
 :class:`~attnlab.models.decoder.DecoderLM`: the same function of the same weights, which
 then mixes with attention or any other registered mixer in one layout.
@@ -15,23 +17,28 @@ then mixes with attention or any other registered mixer in one layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MambaLayerConfig
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.recurrent import MambaLM, RetNetLM
-from attnlab.models.recurrent_config import MambaConfig, RetNetConfig
+from attnlab.models.recurrent import RWKVLM, MambaLM, RetNetLM
+from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 
-__all__ = [
-    "mamba_as_decoder",
-    "mamba_decoder_config",
-    "retnet_as_decoder",
-    "retnet_decoder_config",
-]
+__all__ = ["as_decoder", "mamba_decoder_config", "retnet_decoder_config", "rwkv_decoder_config"]
 
 #: MambaLM sub-module path -> DecoderLM sub-module path, within one layer.
 _MAMBA_PARTS = {"norm": "self_attn_norm", "mixer": "self_attention.mixer"}
+
+#: RWKVLM sub-module path -> DecoderLM sub-module path, within one layer.
+_RWKV_PARTS = {
+    "ln1": "self_attn_norm",
+    "attention": "self_attention.mixer",
+    "ln2": "ffn_norm",
+    "feed_forward": "feed_forward.mixer",
+}
 
 #: RetNetLM sub-module path -> DecoderLM sub-module path, within one layer. RetNet's GLU
 #: ``fc2(act(fc1(x)) * gate(x))`` is the gated feed-forward ``down(act(gate(x)) * up(x))``.
@@ -87,8 +94,10 @@ def retnet_decoder_config(config: RetNetConfig) -> DecoderConfig:
 
 def _decoder_key(key: str, parts: dict[str, str]) -> str:
     """A recurrent model's state-dict key as its preset :class:`DecoderLM`'s."""
-    if key == "norm_f.weight":
-        return "norm.weight"
+    if key.startswith("norm_f."):
+        return "norm." + key[len("norm_f.") :]
+    if key.startswith("pre_ln."):  # RWKV's LayerNorm of the embeddings
+        return "embed_norm." + key[len("pre_ln.") :]
     if not key.startswith("layers."):
         return key  # embed_tokens, lm_head
     i, rest = key[len("layers.") :].split(".", 1)
@@ -99,7 +108,7 @@ def _decoder_key(key: str, parts: dict[str, str]) -> str:
 
 
 def _moved(
-    model: MambaLM | RetNetLM, config: DecoderConfig, parts: dict[str, str], backend: str
+    model: MambaLM | RWKVLM | RetNetLM, config: DecoderConfig, parts: dict[str, str], backend: str
 ) -> DecoderLM:
     """A :class:`DecoderLM` of ``config`` holding copies of ``model``'s weights."""
     weight = model.embed_tokens.weight
@@ -170,23 +179,53 @@ def mamba_decoder_config(config: MambaConfig) -> DecoderConfig:
     )
 
 
-def mamba_as_decoder(model: MambaLM, *, backend: str = "auto") -> DecoderLM:
-    """The :class:`DecoderLM` preset of ``model``, holding copies of its weights.
+def rwkv_decoder_config(config: RWKVConfig) -> DecoderConfig:
+    """The :class:`DecoderConfig` that builds ``config``'s RWKV-4 from its parts.
 
     Raises:
-        TypeError: ``model`` is not a :class:`MambaLM`.
+        TypeError: ``config`` is not an :class:`RWKVConfig`.
     """
-    if not isinstance(model, MambaLM):
-        raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
-    return _moved(model, mamba_decoder_config(model.config), _MAMBA_PARTS, backend)
+    if not isinstance(config, RWKVConfig):
+        raise TypeError(f"config must be an RWKVConfig, got {type(config).__name__}")
+    assert config.intermediate_size is not None
+    d = config.hidden_size
+    wkv = LinearLayerConfig(width=config.attention_hidden_size, chunk_size=config.chunk_size)
+    return DecoderConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=d,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=1,  # no attention layer: the fields are unused
+        head_dim=d,
+        intermediate_size=config.intermediate_size,
+        norm="layernorm",
+        norm_eps=config.layer_norm_epsilon,
+        embedding_norm=True,
+        position_embedding="none",
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        layers=(LayerSpec(mixer="rwkv", ffn="rwkv", linear=wkv),) * config.num_hidden_layers,
+    )
 
 
-def retnet_as_decoder(model: RetNetLM, *, backend: str = "auto") -> DecoderLM:
-    """The :class:`DecoderLM` preset of ``model``, holding copies of its weights.
+#: Each recurrent model class: its config as a DecoderConfig, and its key map.
+_PRESETS: dict[type, tuple[Callable[[Any], DecoderConfig], dict[str, str]]] = {
+    MambaLM: (mamba_decoder_config, _MAMBA_PARTS),
+    RWKVLM: (rwkv_decoder_config, _RWKV_PARTS),
+    RetNetLM: (retnet_decoder_config, _RETNET_PARTS),
+}
+
+
+def as_decoder(model: MambaLM | RWKVLM | RetNetLM, *, backend: str = "auto") -> DecoderLM:
+    """The :class:`DecoderLM` preset of a recurrent model, holding copies of its weights
+    (the same function of the same weights; eval or train mode as ``model``).
 
     Raises:
-        TypeError: ``model`` is not a :class:`RetNetLM`.
+        TypeError: ``model`` is not a :class:`MambaLM`, :class:`RWKVLM` or :class:`RetNetLM`.
     """
-    if not isinstance(model, RetNetLM):
-        raise TypeError(f"model must be a RetNetLM, got {type(model).__name__}")
-    return _moved(model, retnet_decoder_config(model.config), _RETNET_PARTS, backend)
+    preset = _PRESETS.get(type(model))
+    if preset is None:
+        raise TypeError(f"model must be a MambaLM, RWKVLM or RetNetLM, got {type(model).__name__}")
+    to_config, parts = preset
+    return _moved(model, to_config(model.config), parts, backend)

@@ -63,8 +63,9 @@ class DecoderLayer(nn.Module):
             (called as ``mixer(h, plan, cache)``, returning ``(output, weights or None)``).
         feed_forward: the feed-forward module (:class:`~attnlab.modules.mlp.FeedForward`,
             :class:`~attnlab.modules.mlp.GatedFeedForward`, or a
-            :class:`~attnlab.modules.moe.MoEBlock` whose router logits the layer returns),
-            or None for a mixer-only layer.
+            :class:`~attnlab.modules.moe.MoEBlock` whose router logits the layer returns;
+            one with ``reads_state = True`` is called as ``ffn(h, plan, cache)``), or
+            None for a mixer-only layer.
         self_attn_norm: norm of the self-attention sublayer.
         ffn_norm: norm of the feed-forward sublayer (None with no feed-forward).
         cross_attention: encoder-decoder attention, or None for a decoder-only model.
@@ -111,6 +112,7 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.post_attn_norm = post_attn_norm
         self.post_ffn_norm = post_ffn_norm
+        self._ffn_reads_state = bool(getattr(feed_forward, "reads_state", False))
 
     def extra_repr(self) -> str:
         return f"norm_position={self.norm_position!r}"
@@ -161,7 +163,9 @@ class DecoderLayer(nn.Module):
             feed_forward = self.feed_forward
 
             def ffn(h: Tensor) -> tuple[Tensor, Tensor | None]:
-                out = feed_forward(h)
+                # a feed-forward with a state of its own (RWKV's channel mix) reads the
+                # plan and the layer's cache, as the mixer does
+                out = feed_forward(h, plan, cache) if self._ffn_reads_state else feed_forward(h)
                 if isinstance(out, MoEOutput):
                     return out.hidden, out.router_logits
                 return out, None

@@ -69,6 +69,12 @@ def _float_weight(base: nn.Module) -> Tensor:
     return weight
 
 
+def _writable(y: Tensor) -> bool:
+    """Whether the base's output may be added to in place: a fresh tensor of its own
+    (not a view of another, not a leaf that wants a gradient), contiguous."""
+    return y.is_contiguous() and not y._is_view() and not (y.is_leaf and y.requires_grad)
+
+
 class LoRALinear(nn.Module):
     """``base(x) + scaling · lora_B(lora_A(dropout(x)))`` (Hu et al., 2021).
 
@@ -147,8 +153,14 @@ class LoRALinear(nn.Module):
         y: Tensor = self.base_layer(x)  # [N, O]
         if self.merged:
             return y
-        a = self.lora_A.weight
+        a, b = self.lora_A.weight, self.lora_B.weight
         h = self.lora_A(self.lora_dropout(x.to(a.dtype)))  # [N, r]
+        if y.dtype == h.dtype == b.dtype and _writable(y):
+            # y += s · h Bᵀ in place: no [N, O] temporaries (the base's backward does not
+            # read its output, and autograd would refuse if a custom base's did)
+            y2 = y.view(-1, self.out_features)  # [N, O]
+            y2.addmm_(h.reshape(-1, self.rank), b.t(), alpha=self.scaling)
+            return y
         return y + (self.lora_B(h) * self.scaling).to(y.dtype)
 
     def delta_weight(self) -> Tensor:

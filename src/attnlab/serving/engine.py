@@ -60,6 +60,21 @@ __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput", "TokenLogp
 log = logging.getLogger(__name__)
 
 
+def _check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
+    from attnlab.cache.paged.storage import PAGED_KV_DTYPES
+
+    if kv_dtype is None or kv_dtype == "float":
+        return None
+    if kv_dtype not in PAGED_KV_DTYPES:
+        raise ValueError(
+            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (the paged pool "
+            f"quantizes per token), got {kv_dtype!r}"
+        )
+    if "kv" not in specs:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: this model has no attention layers to cache")
+    return kv_dtype
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is full (the server answers 429)."""
 
@@ -82,9 +97,13 @@ class Engine:
             ``max_position_embeddings``.
         prefix_caching: reuse cached prompt blocks.
         kv_cache_bytes: memory cap of the default pool size.
+        kv_dtype: None or ``"float"`` (the model's dtype), or ``"int8"``/``"int4"``: the
+            pool stores keys and values quantized per token (more blocks fit in
+            ``kv_cache_bytes``; :mod:`attnlab.cache.paged.storage`).
 
     Raises:
         TypeError: a model that is not an attnlab decoder.
+        ValueError: a bad setting, or ``kv_dtype`` for a model without attention layers.
     """
 
     def __init__(
@@ -100,6 +119,7 @@ class Engine:
         max_model_len: int | None = None,
         prefix_caching: bool = True,
         kv_cache_bytes: int = 1 << 30,
+        kv_dtype: str | None = None,
     ) -> None:
         config = getattr(model, "config", None)
         if (
@@ -130,6 +150,7 @@ class Engine:
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_waiting = max_waiting
         specs = layer_specs(model)
+        kv_dtype = _check_kv_dtype(kv_dtype, specs)
         #: why prefix caching is off although it was asked for, or None
         self.prefix_caching_refused: str | None = None
         if prefix_caching and "state" in specs:
@@ -141,8 +162,9 @@ class Engine:
             log.info("prefix caching refused: %s", self.prefix_caching_refused)
         if num_blocks is None:
             probe = pool_for(
-                model, specs, num_blocks=1, block_size=block_size, prefix_caching=False
-            )
+                model, specs, num_blocks=1, block_size=block_size, prefix_caching=False,
+                kv_dtype=kv_dtype,
+            )  # fmt: skip
             want = max_num_seqs * -(-self.max_model_len // (2 * block_size))
             per_block = probe.bytes_per_block()
             cap = kv_cache_bytes // per_block if per_block else want
@@ -153,6 +175,7 @@ class Engine:
             num_blocks=num_blocks,
             block_size=block_size,
             prefix_caching=prefix_caching,
+            kv_dtype=kv_dtype,
         )
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs)
         eos = getattr(tokenizer, "eos_token_id", None)

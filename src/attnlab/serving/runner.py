@@ -56,6 +56,7 @@ def pool_for(
     num_blocks: int,
     block_size: int,
     prefix_caching: bool,
+    kv_dtype: str | None = None,
 ) -> PagedKVPool:
     """The paged pool of ``model``'s attention layers (none for a recurrent LM: the
     blocks then only count tokens for the scheduler).
@@ -76,6 +77,7 @@ def pool_for(
         device=p.device,
         prefix_caching=prefix_caching,
         sliding_window=windows.pop() if len(windows) == 1 else None,
+        kv_dtype=kv_dtype,
     )
 
 

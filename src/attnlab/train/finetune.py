@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnlab._files import atomic_folder
+from attnlab._files import atomic_folder, atomic_write_text
 from attnlab._validate import check_int, check_positive_int, check_real
 from attnlab.modules.lora import apply_lora, is_linear_like, lora_modules, merge_and_unload
 from attnlab.modules.nf4 import quantize_linears
+from attnlab.train.allocator import hold_mmap_threshold
 from attnlab.train.chat import encode_chat, read_chat_jsonl
 from attnlab.train.sft import LAYOUTS, SFTData, choose_layout
 
@@ -207,6 +208,7 @@ def finetune(config: FinetuneConfig, *, resume: str | None = None) -> dict[str, 
     from attnlab.train.trainer import Trainer
 
     t0 = time.perf_counter()
+    mmap_held = hold_mmap_threshold()  # freed activations go back to the system (see allocator)
     model, tok = load_pretrained(
         config.model, dtype=torch.bfloat16 if config.qlora else torch.float32
     )
@@ -277,9 +279,10 @@ def finetune(config: FinetuneConfig, *, resume: str | None = None) -> dict[str, 
         "train_seconds": train_s,
         "wall_seconds": time.perf_counter() - t0,
         "peak_rss_bytes": peak,
+        "mmap_threshold_held": mmap_held,
         "exports": exports,
     }
-    (out / "finetune.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    atomic_write_text(out / "finetune.json", json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
 

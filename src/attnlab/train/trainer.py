@@ -13,6 +13,7 @@ up to the order of floating-point sums).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -162,9 +163,12 @@ class Trainer:
 
     def _make_forward(self) -> Callable[..., Tensor]:
         wrapped = self.wrapped
+        # a decoder that can computes the loss without holding the [B, L, V] logits
+        accepts = inspect.signature(self.model.forward).parameters
+        extra = {"return_logits": False} if "return_logits" in accepts else {}
 
         def forward_loss(**kw: Any) -> Tensor:
-            out = wrapped(**kw)
+            out = wrapped(**kw, **extra)
             loss: Tensor = out.loss
             return loss
 

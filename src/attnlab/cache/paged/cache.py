@@ -8,7 +8,10 @@ caches, so every decoder (GPT-2, Llama, Mistral with its window, BLOOM) runs on 
 through its one forward: :meth:`update` writes the step's new keys/values into this
 layer's pool at the slots the block tables give, and returns every row's keys/values
 gathered through its block table in the step's left-padded layout (the gather-based
-reference path of PagedAttention, Kwon et al., 2023).
+reference path of PagedAttention, Kwon et al., 2023). A pool stored in int8/int4
+(:class:`~attnlab.cache.paged.storage.KVStorage`) is dequantized in that gather, and its
+layers report ``block_size == 0`` so that no plan hands its levels to a backend that
+reads the pools directly.
 """
 
 from __future__ import annotations
@@ -69,16 +72,17 @@ class PagedKVCache(KVCache):
 
     @property
     def block_size(self) -> int:
-        """Tokens per block of the pool (a paged call's ``AttentionCall.block_size``)."""
-        return self.pool.block_size
+        """Tokens per block of the pool (a paged call's ``AttentionCall.block_size``); 0
+        for a quantized pool, which is read by gathering (and dequantizing) only."""
+        return 0 if self.pool.storage.quantized else self.pool.block_size
 
     def update(self, key: Tensor, value: Tensor, *, start: Start) -> tuple[Tensor, Tensor]:
         step = self._write(key, value, start)
         b, h, _, d = key.shape
-        kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
         t = step.total
-        keys = kp.index_select(0, step.gather).view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
-        values = vp.index_select(0, step.gather).view(b, t, h, -1).transpose(1, 2)
+        kg, vg = self.pool.storage.read(self.layer, step.gather)  # [B*T, H_kv, h_d]
+        keys = kg.view(b, t, h, d).transpose(1, 2)  # [B, H_kv, T, h_d]
+        values = vg.view(b, t, h, -1).transpose(1, 2)
         return keys, values
 
     def view(self, key: Tensor, value: Tensor, plan: AttentionPlan) -> KVView:
@@ -104,11 +108,20 @@ class PagedKVCache(KVCache):
         )  # [N, H_kv, h_d]
         kp, vp = storage.keys[self.layer], storage.values[self.layer]
         if plan.reads_blocks:
+            if storage.quantized:
+                raise ValueError(
+                    f"the paged pool holds {storage.kv_dtype} levels, read by gathering only; "
+                    f"the plan's backend {plan.backend.name!r} reads the pools directly"
+                )
             return KVView(kp, vp, None, plan.blocks)
         gather, pos = plan.blocks.gather, plan.blocks.gather_positions
         assert gather is not None and pos is not None
         n, t = gather.shape
         h = kp.shape[1]
+        if storage.quantized:
+            kg, vg = storage.read(self.layer, gather.view(-1))  # [n_s*T, H_kv, h_d]
+            keys = kg.view(n, t, h, -1).transpose(1, 2)
+            return KVView(keys, vg.view(n, t, h, -1).transpose(1, 2), pos)
         # rows of a 2-d view: one contiguous copy per slot (3x faster than a 3-d select)
         idx = gather.view(-1)
         keys = kp.view(kp.shape[0], -1).index_select(0, idx).view(n, t, h, -1).transpose(1, 2)
@@ -134,15 +147,11 @@ class PagedKVCache(KVCache):
             )
         b, h, n, d = key.shape
         step = self._step(b, start, n)
-        kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
-        if key.dtype != kp.dtype:
-            raise TypeError(f"keys are {key.dtype}, the paged pool holds {kp.dtype}")
         k_new = key.transpose(1, 2).reshape(b * n, h, d)  # [B*L, H_kv, h_d]
         v_new = value.transpose(1, 2).reshape(b * n, h, value.shape[-1])
         if not step.all_new:
             k_new, v_new = k_new.index_select(0, step.src), v_new.index_select(0, step.src)
-        kp.index_copy_(0, step.dst, k_new)
-        vp.index_copy_(0, step.dst, v_new)
+        self.pool.storage.write(self.layer, step.dst, k_new, v_new)
         if self.pool._implicit:
             self.length = start + n
         return step
@@ -164,7 +173,11 @@ class PagedKVCache(KVCache):
         self.pool.reset()
 
     def nbytes(self) -> int:
-        """Bytes of this layer's keys/values in the blocks held now."""
-        kp, vp = self.pool.keys[self.layer], self.pool.values[self.layer]
-        per_slot = kp[0].numel() * kp.element_size() + vp[0].numel() * vp.element_size()
+        """Bytes of this layer's keys/values (and their scales) in the blocks held now."""
+        st = self.pool.storage
+        per_slot = sum(
+            t[0].numel() * t.element_size()
+            for t in (st.keys[self.layer], st.values[self.layer])
+            + ((st.key_stats[self.layer], st.value_stats[self.layer]) if st.quantized else ())
+        )
         return self.pool.num_used_blocks * self.pool.block_size * per_slot

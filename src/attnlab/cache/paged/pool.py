@@ -94,6 +94,9 @@ class PagedKVPool:
             ``p - W + 1 .. p``, Mistral's convention), or None: after each step, a
             sequence's blocks wholly before its next query's window are returned to the
             pool, so a sequence holds at most ``ceil(W / bs) + 1`` blocks.
+        kv_dtype: None (pools in ``dtype``) or ``"int8"``/``"int4"``: keys and values
+            stored quantized per token (:class:`~attnlab.cache.paged.storage.KVStorage`),
+            dequantized in the gather.
 
     Raises:
         ValueError: a size that is not a positive int.
@@ -112,6 +115,7 @@ class PagedKVPool:
         value_head_dim: int | None = None,
         prefix_caching: bool = True,
         sliding_window: int | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         from attnlab.cache.paged.cache import PagedKVCache
 
@@ -130,6 +134,7 @@ class PagedKVPool:
             dtype=dtype,
             device=device,
             value_head_dim=value_head_dim,
+            kv_dtype=kv_dtype,
         )
         self.num_layers = num_layers
         self.block_size = block_size

@@ -7,6 +7,15 @@ Layer ``i`` keeps ``keys[i] [N * bs, H_kv, h_d]`` and ``values[i] [N * bs, H_kv,
 block ``b`` is the slots ``b * bs .. (b + 1) * bs - 1`` of every layer. Which block holds
 what is the :class:`~attnlab.cache.paged.manager.KVManager`'s business; the storage only
 writes slots, copies blocks (copy-on-write) and says how many bytes a block costs.
+
+With ``kv_dtype="int8"`` or ``"int4"`` the pools hold levels instead (int8 ``[N * bs,
+H_kv, h_d]``; int4 two levels a byte, ``[N * bs, H_kv, h_d / 2]``) and ``key_stats[i]``/
+``value_stats[i]`` ``[N * bs, H_kv, 2]`` float32 the scale and zero point of each slot and
+head: keys and values quantized **per token** (a slot is written once and never again,
+so there is no float window and no group of tokens to share a per-channel scale, which
+KIVI's keys need: use :class:`~attnlab.cache.quantized.QuantizedKVCache` for those).
+:meth:`read` dequantizes the slots a step gathers; backends that read the pools
+directly are not used with quantized pools (:attr:`quantized`).
 """
 
 from __future__ import annotations
@@ -16,9 +25,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from attnlab.cache.quantized import _dequantize, _quantize
 from attnlab.functional._checks import check_positive_int
 
-__all__ = ["KVStorage"]
+#: the quantized storage kinds of a paged pool (per token; see the module docstring)
+PAGED_KV_DTYPES = ("int8", "int4")
+
+__all__ = ["PAGED_KV_DTYPES", "KVStorage"]
 
 
 class KVStorage:
@@ -32,9 +45,13 @@ class KVStorage:
         block_size: tokens per block ``bs``.
         dtype, device: of the pools.
         value_head_dim: ``h_v`` when it differs from ``h_d``.
+        kv_dtype: None (the pools hold ``dtype``) or ``"int8"``/``"int4"`` (levels and
+            per-slot scales; ``dtype`` is then what :meth:`read` returns and
+            :meth:`write` accepts).
 
     Raises:
-        ValueError: a size that is not a positive int.
+        ValueError: a size that is not a positive int, an unknown ``kv_dtype``, or an
+            odd head dim for int4.
     """
 
     def __init__(
@@ -48,7 +65,13 @@ class KVStorage:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         value_head_dim: int | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
+        if kv_dtype is not None and kv_dtype not in PAGED_KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype of a paged pool must be None or one of {list(PAGED_KV_DTYPES)}, "
+                f"got {kv_dtype!r}"
+            )
         if not isinstance(num_layers, int) or num_layers < 0:
             raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
         for name, value in (
@@ -66,26 +89,50 @@ class KVStorage:
         slots = num_blocks * block_size
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.bits = {"int8": 8, "int4": 4}.get(kv_dtype or "", 0)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        store = dtype
+        kd, width_v = head_dim, vd
+        if self.bits:
+            if self.bits == 4 and (head_dim % 2 or vd % 2):
+                raise ValueError(f"an int4 paged pool needs even head dims, got {head_dim}, {vd}")
+            store = torch.int8 if self.bits == 8 else torch.uint8
+            kd, width_v = head_dim * self.bits // 8, vd * self.bits // 8
         self.keys = [
-            torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(slots, num_kv_heads, kd, dtype=store, device=device)
             for _ in range(num_layers)
-        ]  # [N*bs, H_kv, h_d] each
+        ]  # [N*bs, H_kv, h_d] each (levels: h_d * bits / 8)
         self.values = [
-            torch.zeros(slots, num_kv_heads, vd, dtype=dtype, device=device)
+            torch.zeros(slots, num_kv_heads, width_v, dtype=store, device=device)
             for _ in range(num_layers)
         ]  # [N*bs, H_kv, h_v] each
+        n_stats = num_layers if self.bits else 0
+        self.key_stats = [
+            torch.zeros(slots, num_kv_heads, 2, dtype=torch.float32, device=device)
+            for _ in range(n_stats)
+        ]  # [N*bs, H_kv, (scale, zero point)]
+        self.value_stats = [
+            torch.zeros(slots, num_kv_heads, 2, dtype=torch.float32, device=device)
+            for _ in range(n_stats)
+        ]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pools hold levels (read them with :meth:`read`, not directly)."""
+        return self.bits > 0
 
     @property
     def device(self) -> torch.device:
         return self._device
 
+    def _tensors(self) -> list[Tensor]:
+        return [*self.keys, *self.values, *self.key_stats, *self.value_stats]
+
     def bytes_per_block(self) -> int:
-        """Bytes of one block over all layers (keys and values)."""
-        per_slot = sum(
-            k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
-            for k, v in zip(self.keys, self.values)
-        )
+        """Bytes of one block over all layers (keys and values, with their scales)."""
+        per_slot = sum(t[0].numel() * t.element_size() for t in self._tensors())
         return per_slot * self.block_size
 
     def copy_blocks(self, copies: Iterable[tuple[int, int]]) -> None:
@@ -93,9 +140,8 @@ class KVStorage:
         bs = self.block_size
         for old, new in copies:
             src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
-            for k, v in zip(self.keys, self.values):
-                k[dst] = k[src]
-                v[dst] = v[src]
+            for t in self._tensors():
+                t[dst] = t[src]
 
     def write(self, layer: int, slots: Tensor, key: Tensor, value: Tensor) -> None:
         """Store ``key [n, H_kv, h_d]``/``value [n, H_kv, h_v]`` at pool ``slots [n]``.
@@ -103,8 +149,31 @@ class KVStorage:
         Raises:
             TypeError: keys of another dtype than the pool's.
         """
+        if key.dtype != self.dtype:
+            raise TypeError(f"keys are {key.dtype}, the paged pool holds {self.dtype}")
+        if not self.bits:
+            self.keys[layer].index_copy_(0, slots, key)
+            self.values[layer].index_copy_(0, slots, value)
+            return
+        for x, pool, stats in (
+            (key, self.keys[layer], self.key_stats[layer]),
+            (value, self.values[layer], self.value_stats[layer]),
+        ):
+            q, scale, low = _quantize(x, self.bits, dim=-1)  # per slot and head
+            pool.index_copy_(0, slots, q)
+            st = torch.cat([scale, scale if low is None else low], dim=-1)  # [n, H_kv, 2]
+            stats.index_copy_(0, slots, st)
+
+    def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys ``[n, H_kv, h_d]`` and values ``[n, H_kv, h_v]`` of pool ``slots [n]``, in
+        the pool's ``dtype`` (dequantized when the pools hold levels)."""
         kp, vp = self.keys[layer], self.values[layer]
-        if key.dtype != kp.dtype:
-            raise TypeError(f"keys are {key.dtype}, the paged pool holds {kp.dtype}")
-        kp.index_copy_(0, slots, key)
-        vp.index_copy_(0, slots, value)
+        if not self.bits:
+            return kp.index_select(0, slots), vp.index_select(0, slots)
+        out = []
+        for pool, stats in ((kp, self.key_stats[layer]), (vp, self.value_stats[layer])):
+            st = stats.index_select(0, slots)
+            low = None if self.bits == 8 else st[..., 1:]
+            q = pool.index_select(0, slots)
+            out.append(_dequantize(q, st[..., :1], low, self.bits).to(self.dtype))
+        return out[0], out[1]
