@@ -30,6 +30,9 @@ Build the peer (about 20 minutes on 2 cores) with ``--build-llamacpp``; it runs:
 
 with one ``-DGGML_<FLAG>=ON|OFF`` per SIMD flag this CPU reports in ``lscpu`` (a
 ``GGML_NATIVE=ON`` build died with "Illegal instruction" on a virtual AVX-512/AMX CPU).
+On that CPU the AMX build also died at the first forward (``tileloadd`` in ggml's AMX
+buffer type: the VM lists ``amx_tile`` but traps the instruction), so the worker turns
+llama.cpp's extra buffer types off unless ``--extra-bufts`` is given.
 
 Usage::
 
@@ -105,7 +108,17 @@ def to_float(kind, raw, n):
     TO_FLOAT(ggml.ggml_get_type_traits(kind).contents.to_float)(raw.ctypes.data, out.ctypes.data, n)
     return out
 
-threads, ctx = int(sys.argv[1]), int(sys.argv[2])
+threads, ctx, extra_bufts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+if not extra_bufts:  # no AMX/repacked weight buffers (AMX tiles trap on some virtual CPUs)
+    import llama_cpp.llama_cpp as lib_
+    _defaults = lib_.llama_model_default_params
+
+    def _no_extra():
+        p = _defaults()
+        p.use_extra_bufts = False
+        return p
+
+    lib_.llama_model_default_params = _no_extra
 models = {}
 
 def model(path, full):
@@ -117,8 +130,7 @@ def model(path, full):
     m.reset()
     return m
 
-for line in sys.stdin:
-    cmd = json.loads(line)
+def answer(cmd):
     op = cmd["op"]
     if op == "numerics":  # quantize cmd["src"] (float32 file), write blocks and values
         src = np.fromfile(cmd["src"], dtype=np.float32)
@@ -157,6 +169,13 @@ for line in sys.stdin:
             mx = x.max(-1, keepdims=True)
             lse = mx[:, 0] + np.log(np.exp(x - mx).sum(-1))
             res = {"nll": float((lse - x[np.arange(len(ids) - 1), ids[1:]]).sum())}
+    return res
+
+for line in sys.stdin:
+    try:
+        res = answer(json.loads(line))
+    except Exception as e:  # one bad request answers with its error; the worker goes on
+        res = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(res), flush=True)
 """
 
@@ -208,10 +227,10 @@ def peer_ready() -> bool:
 class LlamaCpp:
     """llama.cpp in its own virtualenv: a worker process answering JSON lines."""
 
-    def __init__(self, threads: int, ctx: int) -> None:
+    def __init__(self, threads: int, ctx: int, *, extra_bufts: bool = False) -> None:
         py = PEERS / "llamacpp" / "bin" / "python"
         self.proc = subprocess.Popen(
-            [str(py), "-c", WORKER, str(threads), str(ctx)],
+            [str(py), "-c", WORKER, str(threads), str(ctx), "1" if extra_bufts else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -222,7 +241,10 @@ class LlamaCpp:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the llama.cpp worker died (exit {self.proc.poll()})")
-        return dict(json.loads(line))
+        res = dict(json.loads(line))
+        if "error" in res:
+            raise RuntimeError(f"llama.cpp: {res['error']}")
+        return res
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -390,6 +412,13 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--build-llamacpp", action="store_true", help="build the peer first")
+    p.add_argument(
+        "--extra-bufts",
+        action="store_true",
+        help="let llama.cpp use its extra buffer types (AMX tiles, repacked weights); off by "
+        "default: AMX's tileloadd died with SIGILL on this virtual CPU, which lists amx_tile",
+    )
+    p.add_argument("--skip-q8-0", action="store_true", help="compare on the Q4_1 file only")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args()
     if args.build_llamacpp or not peer_ready():
@@ -403,7 +432,8 @@ def main() -> None:
     res: dict[str, Any] = {"load_before": os.getloadavg(), "threads": args.threads,
                            "torch_threads": torch.get_num_threads(), "flags": flags}  # fmt: skip
     print(f"load {os.getloadavg()}, threads {args.threads} (both sides), flags: {' '.join(flags)}")
-    peer = LlamaCpp(args.threads, max(2048, args.context + 8))
+    peer = LlamaCpp(args.threads, max(2048, args.context + 8), extra_bufts=args.extra_bufts)
+    res["llamacpp_extra_bufts"] = args.extra_bufts
     tmp = Path(tempfile.mkdtemp(prefix="attnlab-llamacpp-"))
     try:
         if "numerics" in args.sections:
@@ -412,8 +442,14 @@ def main() -> None:
                 print("  numerics", json.dumps(row))
         q4 = smollm2_file()
         files = {"q4_1": q4}
-        if {"quality", "decode", "prefill"} & set(args.sections):
-            files["q8_0"] = q8_0_file(peer, q4, tmp)
+        if {"quality", "decode", "prefill"} & set(args.sections) and not args.skip_q8_0:
+            q8 = q8_0_file(peer, q4, tmp)
+            try:
+                PeerModel(peer, q8).prefill([1, 2])
+                files["q8_0"] = q8
+            except RuntimeError as e:  # reported, and the Q4_1 comparison still runs
+                res["q8_0_error"] = str(e)
+                print(f"  q8_0: llama.cpp cannot load the file it quantized: {e}")
         tok = attnlab.from_gguf(q4).tokenizer
         ours = {k: attnlab.from_gguf(f, quantize="gguf", tokenizer=False) for k, f in files.items()}
         pairs = {k: (OursModel(ours[k]), PeerModel(peer, f)) for k, f in files.items()}
