@@ -14,13 +14,19 @@
    (uniform in 16..512): attnlab's unpadded forward (``unpad=True``: the real tokens
    packed into rows with a ``document`` pattern, no compute on padding) against
    transformers' padded forward (sdpa), same weights, states compared at the real tokens.
-3. ``decode``: greedy tokens/s of a Qwen3-shaped decoder (per-head QK-norm) against the
+3. ``memory``: the peak memory of the Gemma-2-shaped prefill at ``--seq-len`` (8192), each
+   side in a fresh process (``ru_maxrss`` after the forward less before it: glibc keeps
+   freed buffers, so the peak is what the process ever held): attnlab (its local layers on
+   a block-skipping backend) against transformers' sdpa, which gets a dense
+   8192 x 8192 mask on the local layers; beside the cost model's figures for both.
+4. ``decode``: greedy tokens/s of a Qwen3-shaped decoder (per-head QK-norm) against the
    Llama-shaped decoder of the same size and vocabulary (32000), both attnlab, alternating.
 
 Usage::
 
     python benchmarks/families.py prefill --seq-len 8192 --repeats 3 [--update-docs]
     python benchmarks/families.py encoder --repeats 3 [--update-docs]
+    python benchmarks/families.py memory --seq-len 8192 [--update-docs]
     python benchmarks/families.py decode --repeats 5 [--update-docs]
 """
 
@@ -43,6 +49,28 @@ from _common import time_interleaved, write_section
 PREFILL_HEADING = "## Gemma-2-shaped prefill (issue 25)"
 DECODE_HEADING = "## Qwen3 decode against Llama decode (issue 25)"
 ENCODER_HEADING = "## ModernBERT-shaped encoder, unpadded against padded (issue 25)"
+MEMORY_HEADING = "## Gemma-2-shaped prefill memory at 8192 (issue 25)"
+_MEMORY_CHILD = r"""
+import json, resource, sys, torch
+sys.path.insert(0, sys.argv[3])
+torch.set_num_threads(1)
+from transformers import Gemma2Config, Gemma2ForCausalLM
+import attnlab
+from families import GEMMA
+side, n = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+hf = Gemma2ForCausalLM(Gemma2Config(**GEMMA, max_position_embeddings=n, attn_implementation="eager")).eval()
+model = attnlab.from_hf(hf) if side == "attnlab" else hf
+if side != "attnlab":
+    hf.config._attn_implementation = "sdpa"
+ids = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(1))
+with torch.inference_mode():
+    model(ids[:, :64], logits_to_keep=1)  # warm up at a small length
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model(ids, logits_to_keep=1)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"before_kib": before, "peak_kib": after}))
+"""
 GEMMA = dict(
     vocab_size=1000,
     hidden_size=512,
@@ -208,6 +236,59 @@ def _decoders(vocab: int) -> dict[str, Any]:
     return out
 
 
+def memory(args: argparse.Namespace) -> str:
+    import json
+
+    from attnlab.analysis.cost import estimate
+    from attnlab.models.decoder_config import DecoderConfig
+
+    here = str(Path(__file__).resolve().parent)
+    extra: dict[str, float] = {}
+    for side in ("attnlab", "transformers (sdpa, dense mask)"):
+        key = "attnlab" if side == "attnlab" else "hf"
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_CHILD, key, str(args.seq_len), here],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        got = json.loads(out.strip().splitlines()[-1])
+        extra[side] = (got["peak_kib"] - got["before_kib"]) / 1024
+    cfg = DecoderConfig.gemma2(
+        window=1024,
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
+    est = estimate(cfg, seq_len=args.seq_len)
+    dense = estimate(cfg, seq_len=args.seq_len, backend="reference")
+    rows = ["| | peak extra memory of the forward, MiB |", "|---|---|"]
+    rows += [f"| {k} | {v:.0f} |" for k, v in extra.items()]
+    ratio = extra["transformers (sdpa, dense mask)"] / max(extra["attnlab"], 1e-9)
+    return "\n".join(
+        [
+            f"Command: `python benchmarks/families.py memory --seq-len {args.seq_len}`",
+            "",
+            f"Gemma-2-shaped prefill (as above, window 1024 on alternate layers) of "
+            f"{args.seq_len} tokens, batch 1, float32, each side in a fresh process, 1 thread: "
+            "`ru_maxrss` after the forward less after a 64-token warm-up; "
+            f"{machine()}:",
+            "",
+            *rows,
+            "",
+            f"attnlab holds **{ratio:.1f}x** less. The cost model (`attnlab.estimate`, which "
+            f"costs the local and global layers as two groups) gives "
+            f"{est.activation_bytes / 2**20:.0f} MiB of activations for attnlab's choice "
+            f"(`{est.backend}`) and {dense.activation_bytes / 2**20:.0f} MiB with the score "
+            "matrix materialised on every layer (the dense-mask figure).",
+        ]
+    )
+
+
 def decode(args: argparse.Namespace) -> str:
     models = _decoders(32000)
     rows = [
@@ -243,7 +324,7 @@ def decode(args: argparse.Namespace) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["prefill", "encoder", "decode"])
+    p.add_argument("what", choices=["prefill", "encoder", "memory", "decode"])
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new", type=int, default=128)
@@ -256,6 +337,7 @@ def main() -> None:
     run, heading = {
         "prefill": (prefill, PREFILL_HEADING),
         "encoder": (encoder, ENCODER_HEADING),
+        "memory": (memory, MEMORY_HEADING),
         "decode": (decode, DECODE_HEADING),
     }[args.what]
     body = run(args)

@@ -30,6 +30,9 @@ Build the peer (about 20 minutes on 2 cores) with ``--build-llamacpp``; it runs:
 
 with one ``-DGGML_<FLAG>=ON|OFF`` per SIMD flag this CPU reports in ``lscpu`` (a
 ``GGML_NATIVE=ON`` build died with "Illegal instruction" on a virtual AVX-512/AMX CPU).
+On that CPU the AMX build also died at the first forward (``tileloadd`` in ggml's AMX
+buffer type: the VM lists ``amx_tile`` but traps the instruction), so the worker turns
+llama.cpp's extra buffer types off unless ``--extra-bufts`` is given.
 
 Usage::
 
@@ -105,7 +108,17 @@ def to_float(kind, raw, n):
     TO_FLOAT(ggml.ggml_get_type_traits(kind).contents.to_float)(raw.ctypes.data, out.ctypes.data, n)
     return out
 
-threads, ctx = int(sys.argv[1]), int(sys.argv[2])
+threads, ctx, extra_bufts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+if not extra_bufts:  # no AMX/repacked weight buffers (AMX tiles trap on some virtual CPUs)
+    import llama_cpp.llama_cpp as lib_
+    _defaults = lib_.llama_model_default_params
+
+    def _no_extra():
+        p = _defaults()
+        p.use_extra_bufts = False
+        return p
+
+    lib_.llama_model_default_params = _no_extra
 models = {}
 
 def model(path, full):
@@ -208,10 +221,10 @@ def peer_ready() -> bool:
 class LlamaCpp:
     """llama.cpp in its own virtualenv: a worker process answering JSON lines."""
 
-    def __init__(self, threads: int, ctx: int) -> None:
+    def __init__(self, threads: int, ctx: int, *, extra_bufts: bool = False) -> None:
         py = PEERS / "llamacpp" / "bin" / "python"
         self.proc = subprocess.Popen(
-            [str(py), "-c", WORKER, str(threads), str(ctx)],
+            [str(py), "-c", WORKER, str(threads), str(ctx), "1" if extra_bufts else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -390,6 +403,12 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--build-llamacpp", action="store_true", help="build the peer first")
+    p.add_argument(
+        "--extra-bufts",
+        action="store_true",
+        help="let llama.cpp use its extra buffer types (AMX tiles, repacked weights); off by "
+        "default: AMX's tileloadd died with SIGILL on this virtual CPU, which lists amx_tile",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args()
     if args.build_llamacpp or not peer_ready():
@@ -403,7 +422,8 @@ def main() -> None:
     res: dict[str, Any] = {"load_before": os.getloadavg(), "threads": args.threads,
                            "torch_threads": torch.get_num_threads(), "flags": flags}  # fmt: skip
     print(f"load {os.getloadavg()}, threads {args.threads} (both sides), flags: {' '.join(flags)}")
-    peer = LlamaCpp(args.threads, max(2048, args.context + 8))
+    peer = LlamaCpp(args.threads, max(2048, args.context + 8), extra_bufts=args.extra_bufts)
+    res["llamacpp_extra_bufts"] = args.extra_bufts
     tmp = Path(tempfile.mkdtemp(prefix="attnlab-llamacpp-"))
     try:
         if "numerics" in args.sections:

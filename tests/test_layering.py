@@ -90,15 +90,11 @@ def test_imports_point_down_only() -> None:
 #: little above its size then (rounded up to the next 50 lines, room for the work landing
 #: beside this test): they are to be split, never to grow; anything else in ``src/``
 #: keeps to 500 lines a file and 120 a function.
-OVERSIZED_FILES = {
-    "analysis/advisor.py": 650,
-    "analysis/cost.py": 750,
-    "analysis/diagnostics.py": 700,
-}
+OVERSIZED_FILES: dict[str, int] = {}
 OVERSIZED_FUNCTIONS = {
-    ("analysis/advisor.py", "advise"): 400,
-    ("analysis/cost.py", "estimate"): 350,
-    ("analysis/diagnostics.py", "diagnose"): 200,
+    ("analysis/advisor.py", "advise"): 380,
+    ("analysis/cost.py", "estimate"): 300,
+    ("analysis/diagnostics.py", "diagnose"): 170,
     ("analysis/sizing.py", "size_model"): 150,
 }
 

@@ -81,3 +81,40 @@ def test_compile_is_refused_for_an_encoder_decoder(capsys: pytest.CaptureFixture
     assert code == 2
     err = capsys.readouterr().err
     assert "--compile" in err and "Seq2SeqLM" in err and "Traceback" not in err
+
+
+def test_sink_window_streams_as_the_library_does(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    from attnlab.cli.generate import random_model
+    from attnlab.generation import generate, sink_cache
+
+    args = ["generate", "--random", "llama", "--ids", "1 2 3 4 5 6", "--max-new-tokens", "20"]
+    assert main([*args, "--sink-window", "6", "--sinks", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["new_ids"]
+    model = random_model("llama", 0)
+    cache = sink_cache(model, window=6, sinks=2)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    want = generate(model, ids, 20, cache=cache)[0, 6:].tolist()
+    assert got == want
+    plain = generate(model, ids, 20)[0, 6:].tolist()
+    assert got != plain  # the cache evicted: not the full-context decoding
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--random", "llama", "--sinks", "2"], "add --sink-window"),
+        (["--random", "llama", "--sink-window", "8", "--compile"], "drop --compile"),
+        (["--random", "gpt2", "--sink-window", "8"], "'learned'"),
+        (["--random", "t5", "--sink-window", "8"], "encoder-decoder"),
+    ],
+)
+def test_sink_window_refusals(
+    extra: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", *extra, "--ids", "1 2"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -49,3 +49,14 @@ def test_serve_embeddings_needs_a_sentence_transformers_folder(
     assert main(["serve", str(tmp_path), "--embeddings", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("attnlab serve: error: --embeddings") and "modules.json" in err[-1]
+
+
+def test_serve_refuses_a_sink_cache_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # refused before the model loads or the port is bound: the paged engine cannot honour it
+    assert main(["serve", str(tmp_path), "--sink-window", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "--sink-window" in err and "paged engine cannot honour" in err
+    assert "attnlab generate --sink-window" in err

@@ -118,7 +118,7 @@ def test_mask_shapes_and_types(entry: str) -> None:
 def test_decoder_masks_are_checked_once_per_forward_not_per_layer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import attnlab.models.decoder as decoder_module
+    import attnlab.models.lm_shell as decoder_module  # the shell checks the mask
 
     calls = []
     original = decoder_module.check_binary_mask

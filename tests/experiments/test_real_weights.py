@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from attnlab.experiments import _real, run_experiment
+from attnlab.experiments.context import chunked_nll
 from attnlab.experiments.induction import prefix_matching_scores
 from attnlab.experiments.induction_real import ablated, copying_scores, repeated_rows
-from attnlab.experiments.sinks import recompute_nll
+from attnlab.experiments.sinks import recompute_nll, windowed
+from attnlab.generation import sink_cache
 from attnlab.models import DecoderConfig, DecoderLM
 
 TINY: dict[str, Any] = dict(
@@ -87,6 +89,21 @@ def test_recomputation_equals_the_full_forward_when_the_window_holds_everything(
     # a window of t + 1 tokens ending at t is the whole prefix
     got = torch.stack([recompute_nll(model, ids, [t], t + 1)[0] for t in range(11)])
     torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_cache_stream_equals_a_sliding_window_prefill() -> None:
+    # sinks' (a): decoding through a window cache of C keys is a sliding window of C
+    torch.manual_seed(3)
+    model = DecoderLM(DecoderConfig.llama(**TINY)).eval()
+    ids = torch.randint(0, 64, (1, 40))
+    stream = _real.stream_nll(model, ids, sink_cache(model, window=9, sinks=0))
+    with windowed(model, 9):
+        chunks = chunked_nll(model, ids, chunk=16)
+    assert model.layer_windows == (None, None)
+    torch.testing.assert_close(chunks, stream, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        full = _real.next_token_nll(model(ids).logits[:, :-1], ids[:, 1:])[0]
+    assert not torch.allclose(chunks[20:], full[20:], atol=1e-3)  # the window did cut
 
 
 @pytest.fixture

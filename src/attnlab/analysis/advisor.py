@@ -19,120 +19,30 @@ token as its FLOPs plus reading the weights and the KV cache at :data:`CPU_GBPS`
 
 from __future__ import annotations
 
-import logging
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from attnlab._validate import check_positive_int, check_real
+from attnlab.analysis.advice_plan import (
+    CPU_GBPS,
+    CPU_GFLOPS,
+    CUDA_GBPS,
+    CUDA_TFLOPS,
+    CUDA_UTILISATION,
+    GIB,
+    Advice,
+    Plan,
+    Recommendation,
+    calibrated_backend_rec,
+    gib,
+    plan,
+)
+from attnlab.analysis.advice_rules import kv_heads_rule, layout_recs
 from attnlab.analysis.arch import ArchSpec, describe, preset
-from attnlab.analysis.backend_choice import auto_choice
-from attnlab.analysis.cost import CostReport, estimate, human_bytes, human_flops
-
-logger = logging.getLogger(__name__)
+from attnlab.analysis.cost import human_flops
 
 __all__ = ["TASKS", "Advice", "Recommendation", "advise"]
 
 TASKS = ("classification", "long-document", "generation", "realtime")
-
-GIB = 1024**3
-
-#: Matmul throughput (GFLOP/s) measured on the project's 2-core CPU.
-CPU_GFLOPS = {"float32": 175.0, "bfloat16": 400.0}
-#: Assumed dense bf16 throughput of a data-centre GPU (no measurement here), TFLOP/s.
-CUDA_TFLOPS = 400.0
-CUDA_UTILISATION = 0.4
-#: Assumed memory bandwidths (GB/s) for decoding, which reads weights and cache per token.
-CPU_GBPS = 20.0
-CUDA_GBPS = 3000.0
-
-
-@dataclass
-class Recommendation:
-    """One choice and why.
-
-    Attributes:
-        topic: ``attention``, ``backend``, ``positions``, ``kv_heads``, ``window``, ``dtype``,
-            ``checkpointing`` or ``latency``.
-        choice: what to use.
-        reason: the numbers behind it.
-    """
-
-    topic: str
-    choice: str
-    reason: str
-
-
-@dataclass
-class Advice:
-    """What :func:`advise` recommends.
-
-    Attributes:
-        task: the task.
-        seq_len: tokens per sequence.
-        memory_bytes: the memory budget.
-        latency_ms: the latency budget, if any.
-        device: ``cpu`` or ``cuda``.
-        mode: what was costed (``training`` for encoder tasks, ``inference`` otherwise).
-        recommendations: one per topic.
-        arch: the recommended architecture.
-        estimate: the cost report of the recommendation.
-        fits: whether the recommendation fits the memory budget.
-        total_bytes: memory of the recommendation: the report's total plus, when
-            generating, the KV cache (what is compared with the budget).
-        notes: remarks that are not about one topic.
-    """
-
-    task: str
-    seq_len: int
-    memory_bytes: int
-    latency_ms: float | None
-    device: str
-    mode: str
-    recommendations: list[Recommendation]
-    arch: ArchSpec
-    estimate: CostReport
-    fits: bool = True
-    total_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def get(self, topic: str) -> Recommendation:
-        """The recommendation about ``topic``; ``KeyError`` if there is none."""
-        for r in self.recommendations:
-            if r.topic == topic:
-                return r
-        raise KeyError(topic)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["estimate"] = self.estimate.to_dict()
-        return d
-
-    def summary(self) -> str:
-        head = (
-            f"{self.task}, {self.seq_len} tokens, {human_bytes(self.memory_bytes)} of memory"
-            + (f", {self.latency_ms:g} ms" if self.latency_ms else "")
-            + f", {self.device} ({self.mode} costed)"
-        )
-        lines = [head]
-        for r in self.recommendations:
-            lines.append(f"  {r.topic:<13} {r.choice}")
-            lines.append(f"  {'':<13} why: {r.reason}")
-        lines.append(
-            f"  total: {human_bytes(self.total_bytes or self.estimate.total_bytes)} "
-            + ("(fits)" if self.fits else "(does NOT fit: see above)")
-        )
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-def _gib(n: float) -> str:
-    return human_bytes(n)
-
-
-def _seconds(flops: float, device: str, dtype: str) -> float:
-    if device == "cpu":
-        return flops / (CPU_GFLOPS.get(dtype, CPU_GFLOPS["float32"]) * 1e9)
-    return flops / (CUDA_TFLOPS * 1e12 * CUDA_UTILISATION)
 
 
 def _base_for(task: str) -> ArchSpec:
@@ -196,51 +106,15 @@ def advise(
     training = mode == "training"
 
     # -- KV heads (decoders): the cache is the memory that grows with every token ----------
-    h = spec.num_heads
-    kv_rec: Recommendation
-    if generative:
-        options = sorted({h, *(k for k in (8, 4, 2, 1) if h % k == 0)}, reverse=True)
-        dt0 = "bfloat16" if device == "cuda" else "float32"
-        caches = {
-            k: estimate(
-                spec.with_(num_kv_heads=k),
-                batch_size=batch_size,
-                seq_len=seq_len,
-                mode="decode",
-                dtype=dt0,
-            ).kv_cache_bytes
-            for k in options
-        }
-        weights = estimate(spec, seq_len=1, dtype=dt0).parameter_bytes
-        room = budget - weights
-        pick = next((k for k in options if caches[k] <= 0.25 * room), options[-1])
-        why_rule = ""
-        if task == "realtime" and pick == h and h > 1:
-            # the tutorial's rule (MQA/GQA for real-time); the numbers say how far to go
-            pick = next(k for k in options if k < h and h // k <= 4)
-            why_rule = "; the tutorial's real-time rule (GQA/MQA) applies: decoding reads the whole cache for every token"
-        kv_reason = (
-            f"KV cache for {batch_size} x {seq_len} tokens in {dt0}: "
-            + ", ".join(f"{k} kv heads {_gib(c)}" for k, c in caches.items())
-            + f"; {pick} keeps it within a quarter of the {_gib(max(room, 0))} left after the weights"
-            + why_rule
-        )
-        kind = "MHA" if pick == h else "MQA" if pick == 1 else "GQA"
-        kv_rec = Recommendation("kv_heads", f"{pick} of {h} ({kind})", kv_reason)
-        spec = spec.with_(num_kv_heads=pick)
-    else:
-        dense_mha = estimate(spec, batch_size=batch_size, seq_len=seq_len)
-        gqa = estimate(
-            spec.with_(num_kv_heads=max(1, h // 4)), batch_size=batch_size, seq_len=seq_len
-        )
-        saved = dense_mha.flops - gqa.flops
-        kv_rec = Recommendation(
-            "kv_heads",
-            f"{h} of {h} (MHA)",
-            f"an encoder keeps no KV cache; GQA with {max(1, h // 4)} kv heads would save only "
-            f"{human_flops(saved)} ({saved / dense_mha.flops:.0%}) of a forward and gives up "
-            "pretrained MHA checkpoints",
-        )
+    kv_rec, spec = kv_heads_rule(
+        spec,
+        task=task,
+        generative=generative,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        budget=budget,
+        device=device,
+    )
 
     # -- every combination of window, dtype and checkpointing, costed -----------------------
     dtypes = ["float32", "bfloat16"] if device == "cpu" else ["bfloat16", "float32"]
@@ -248,8 +122,10 @@ def advise(
         None,
         *(w for w in (4096, 2048, 1024, 512, 256, 128) if w < seq_len),
     ]
+    if spec.layer_windows is not None:
+        windows = [None]  # a local/global layout is the model's own: costed as it is
     plans = [
-        _plan(
+        plan(
             spec,
             w,
             dt,
@@ -274,7 +150,7 @@ def advise(
         )
     pool = fast or fit
 
-    def pref(p: _Plan) -> tuple[int, int, int]:
+    def pref(p: Plan) -> tuple[int, int, int]:
         return (windows.index(p.window), dtypes.index(p.dtype), int(p.checkpointing))
 
     if slow:
@@ -293,8 +169,8 @@ def advise(
             + (" and checkpointing" if best.checkpointing else "")
         )
         reason = (
-            f"full attention at {seq_len} tokens: {_gib(best.report.activation_bytes)} of "
-            f"activations, {_gib(best.bytes)} in all{how}, within your {_gib(budget)}"
+            f"full attention at {seq_len} tokens: {gib(best.report.activation_bytes)} of "
+            f"activations, {gib(best.bytes)} in all{how}, within your {gib(budget)}"
         )
         if task == "long-document":
             w512 = next(
@@ -315,7 +191,7 @@ def advise(
                     + f"; a 512 window would cut the forward from {human_flops(best.forward_flops)} "
                     f"to {human_flops(w512.forward_flops)} but "
                     + (
-                        f"save only {_gib(saved)}"
+                        f"save only {gib(saved)}"
                         if saved > 0.01 * best.bytes
                         else "save no memory (a tiled kernel's memory is linear in length either way)"
                     )
@@ -324,18 +200,18 @@ def advise(
     else:
         attn = f"sliding-window attention, window {best.window}"
         why = (
-            f"over your {_gib(budget)}"
+            f"over your {gib(budget)}"
             if lean_dense.bytes > budget
             else f"{lean_dense.ms:.0f} ms {unit}, over your {latency_ms:g} ms"
         )
         reason = (
-            f"full attention at {seq_len} tokens needs {_gib(lean_dense.bytes)} even in "
+            f"full attention at {seq_len} tokens needs {gib(lean_dense.bytes)} even in "
             f"{lean_dense.dtype}{' with checkpointing' if lean_dense.checkpointing else ''} ({why}); "
-            f"a {best.window}-key window needs {_gib(best.bytes)} and about {best.ms:.0f} ms {unit}: "
+            f"a {best.window}-key window needs {gib(best.bytes)} and about {best.ms:.0f} ms {unit}: "
             + ("the fastest setting that fits" if slow else "the widest window that fits")
         )
     if not pool:
-        lin = _plan(
+        lin = plan(
             spec,
             None,
             dtypes[-1],
@@ -349,26 +225,34 @@ def advise(
         )
         attn = "none fits: linear attention or a smaller model"
         reason = (
-            f"the leanest setting needs {_gib(best.bytes)} over your {_gib(budget)}; linear "
-            f"attention would need {_gib(lin.bytes)} (it removes the score matrix but not the "
+            f"the leanest setting needs {gib(best.bytes)} over your {gib(budget)}; linear "
+            f"attention would need {gib(lin.bytes)} (it removes the score matrix but not the "
             "weights, optimizer state and hidden activations)"
         )
-    recs.append(Recommendation("attention", attn, reason))
-    recs.append(
-        Recommendation(
-            "window",
-            str(best.window) if best.window else "none",
-            (
-                f"each query sees {best.window} keys: {best.density:.1%} of the score matrix"
-                + (f"; the KV cache stops growing at {_gib(best.kv_bytes)}" if generative else "")
+    if spec.layer_windows is not None:
+        attn, reason, window_rec = layout_recs(spec, best, budget, generative)
+        recs += [Recommendation("attention", attn, reason), window_rec]
+    else:
+        recs.append(Recommendation("attention", attn, reason))
+        recs.append(
+            Recommendation(
+                "window",
+                str(best.window) if best.window else "none",
+                (
+                    f"each query sees {best.window} keys: {best.density:.1%} of the score matrix"
+                    + (
+                        f"; the KV cache stops growing at {gib(best.kv_bytes)}"
+                        if generative
+                        else ""
+                    )
+                )
+                if best.window
+                else "full attention needs no window",
             )
-            if best.window
-            else "full attention needs no window",
         )
-    )
 
     # -- backend -------------------------------------------------------------------------------
-    recs.append(_calibrated_backend_rec(best, spec, seq_len, batch_size, training, device))
+    recs.append(calibrated_backend_rec(best, spec, seq_len, batch_size, training, device))
     # -- positions -----------------------------------------------------------------------------
     limit = spec.max_positions or 512
     table_params = seq_len * spec.hidden_size
@@ -409,29 +293,29 @@ def advise(
         dreason = f"{best.dtype}"
     elif best.dtype == "float32":
         dreason = (
-            f"float32 fits ({_gib(best.bytes)} of {_gib(budget)})"
+            f"float32 fits ({gib(best.bytes)} of {gib(budget)})"
             + (
                 f" and meets {latency_ms:g} ms ({best.ms:.0f} ms)"
                 if latency_ms and best.ms <= latency_ms
                 else ""
             )
-            + f"; bfloat16 would need {_gib(other.bytes)} and about {other.ms:.0f} ms {unit} "
+            + f"; bfloat16 would need {gib(other.bytes)} and about {other.ms:.0f} ms {unit} "
             f"(matmuls ~{CPU_GFLOPS['bfloat16'] / CPU_GFLOPS['float32']:.1f}x faster on this CPU, "
             "8 bits of mantissa)"
         )
     elif device == "cpu":
         problem = (
-            f"needs {_gib(other.bytes)} over your {_gib(budget)}"
+            f"needs {gib(other.bytes)} over your {gib(budget)}"
             if other.bytes > budget
             else f"takes about {other.ms:.0f} ms {unit}, over your {latency_ms:g} ms"
         )
         dreason = (
-            f"float32 {problem}; bfloat16 needs {_gib(best.bytes)} and about {best.ms:.0f} ms "
+            f"float32 {problem}; bfloat16 needs {gib(best.bytes)} and about {best.ms:.0f} ms "
             f"({CPU_GFLOPS['bfloat16']:.0f} vs {CPU_GFLOPS['float32']:.0f} GFLOP/s measured for matmuls)"
         )
     else:
         dreason = (
-            f"bfloat16: {_gib(best.bytes)} vs {_gib(other.bytes)} in float32, tensor-core speed, "
+            f"bfloat16: {gib(best.bytes)} vs {gib(other.bytes)} in float32, tensor-core speed, "
             "and float32's exponent range (no overflow, unlike float16)"
         )
     recs.append(Recommendation("dtype", best.dtype, dreason))
@@ -452,17 +336,17 @@ def advise(
         on, off = (best, flip) if best.checkpointing else (flip, best)
         if best.checkpointing:
             creason = (
-                f"without it activations take {_gib(off.report.activation_bytes)} and the total "
-                f"{_gib(off.bytes)}, over your {_gib(budget)}; with it {_gib(on.report.activation_bytes)} "
-                f"and {_gib(on.bytes)}, for one more forward per step ({human_flops(off.report.flops)} -> "
+                f"without it activations take {gib(off.report.activation_bytes)} and the total "
+                f"{gib(off.bytes)}, over your {gib(budget)}; with it {gib(on.report.activation_bytes)} "
+                f"and {gib(on.bytes)}, for one more forward per step ({human_flops(off.report.flops)} -> "
                 f"{human_flops(on.report.flops)})"
             )
         else:
             creason = (
-                f"the total without it, {_gib(off.bytes)}, "
+                f"the total without it, {gib(off.bytes)}, "
                 + ("fits in" if off.bytes <= budget else "does not fit either way in")
-                + f" {_gib(budget)}; checkpointing would cut activations from "
-                f"{_gib(off.report.activation_bytes)} to {_gib(on.report.activation_bytes)} for "
+                + f" {gib(budget)}; checkpointing would cut activations from "
+                f"{gib(off.report.activation_bytes)} to {gib(on.report.activation_bytes)} for "
                 f"{on.report.flops / off.report.flops - 1:.0%} more compute"
             )
         recs.append(
@@ -491,7 +375,7 @@ def advise(
                 f"{what}: about {best.ms:.0f} ms ({speed}), within {latency_ms:g} ms",
             )
         else:
-            small = _plan(
+            small = plan(
                 spec.with_(num_layers=max(1, spec.num_layers // 2)),
                 best.window,
                 best.dtype,
@@ -525,7 +409,7 @@ def advise(
     fits = best.bytes <= budget
     if not fits:
         notes.append(
-            f"even the leanest setting needs {_gib(best.bytes)} over {_gib(budget)}: use a smaller "
+            f"even the leanest setting needs {gib(best.bytes)} over {gib(budget)}: use a smaller "
             "model, a shorter input or more memory"
         )
     chosen = spec if best.window is None else spec.with_(window=best.window, causal=True)
@@ -543,104 +427,3 @@ def advise(
         total_bytes=best.bytes,
         notes=notes,
     )
-
-
-@dataclass
-class _Plan:
-    window: int | None
-    dtype: str
-    checkpointing: bool
-    report: CostReport
-    bytes: int
-    ms: float
-    forward_flops: float
-    kv_bytes: int
-    density: float
-    backend: str
-
-
-def _plan(
-    spec: ArchSpec,
-    window: int | None,
-    dtype: str,
-    checkpointing: bool,
-    *,
-    batch_size: int,
-    seq_len: int,
-    mode: str,
-    device: str,
-    generative: bool,
-    backend: str | None = None,
-) -> _Plan:
-    s = spec if window is None else spec.with_(window=window, causal=True)
-    backend = backend or "auto"
-    common: dict[str, Any] = dict(
-        batch_size=batch_size, seq_len=seq_len, dtype=dtype, backend=backend
-    )
-    r = estimate(s, mode=mode, checkpointing=checkpointing, **common)  # type: ignore[arg-type]
-    fwd = r if mode == "inference" else estimate(s, **common)
-    kv = 0
-    if generative:
-        step = estimate(s, mode="decode", cache="sliding" if window else "dynamic", **common)
-        kv = step.kv_cache_bytes
-        # decoding is bound by reading the weights and the cache once per token
-        ms = (
-            _seconds(step.flops, device, dtype) + (step.parameter_bytes + kv) / _gbps(device)
-        ) * 1e3
-    else:
-        ms = _seconds(fwd.flops, device, dtype) * 1e3
-    return _Plan(
-        window=window,
-        dtype=dtype,
-        checkpointing=checkpointing,
-        report=r,
-        bytes=r.total_bytes + kv,
-        ms=ms,
-        forward_flops=fwd.flops,
-        kv_bytes=kv,
-        density=fwd.attention_density,
-        backend=backend,
-    )
-
-
-def _gbps(device: str) -> float:
-    return (CPU_GBPS if device == "cpu" else CUDA_GBPS) * 1e9
-
-
-def _calibrated_backend_rec(
-    best: _Plan, spec: ArchSpec, seq_len: int, batch_size: int, training: bool, device: str
-) -> Recommendation:
-    """Ask the registry which backend runs one layer's attention of the chosen plan fastest.
-
-    The registry's ranking comes back as data (``Explanation.estimates``, seconds per
-    backend that can run the call, from the constants measured on the project's machine);
-    nothing here restates a backend's speed.
-    """
-    try:
-        from attnlab.backends.cost_model import format_seconds
-
-        why = auto_choice(
-            batch_size=batch_size,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            q_len=seq_len,
-            kv_len=seq_len,
-            dtype=best.dtype,
-            training=training,
-            causal=spec.causal,
-            window=best.window or None,
-            device=device,
-        )
-    except Exception:  # the registry's model is an aid, never a reason to fail
-        logger.debug("calibrated backend choice failed", exc_info=True)
-        return Recommendation(
-            "backend", "auto", "let auto choose per call (its cost model was unavailable here)"
-        )
-    ranked = [f"{name} {format_seconds(s)}" for name, s in why.estimates.items()]
-    where = "" if device == "cpu" else f" (constants measured on cpu, not {device})"
-    reason = (
-        f"per layer{' (forward + backward)' if training else ''}, auto's cost model{where} "
-        f"ranks: {', '.join(ranked[:4])}"
-    )
-    return Recommendation("backend", why.chosen, reason)

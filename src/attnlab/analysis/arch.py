@@ -84,7 +84,13 @@ class ArchSpec:
         lm_head: a vocabulary projection on top.
         tied_embeddings: the LM head reuses the token embedding matrix (no extra parameters).
         pooler: BERT's pooler (a ``D x D`` dense on the first token).
-        window: sliding window ``W`` in keys, itself included (Mistral), or None.
+        window: sliding window ``W`` in keys, itself included (Mistral), or None. A
+            causal model sees the last ``W`` keys; a bidirectional one (an encoder's local
+            layers) ``W // 2`` keys on each side (ModernBERT's ``local_attention``).
+        layer_windows: per layer, its window (None: global attention), when the layers
+            differ: Gemma 2's alternate local and global layers, Gemma 3's five local to
+            one global, ModernBERT's every third global; None when they are uniform
+            (``window`` then applies to every layer).
         pattern_density: fraction of (query, key) pairs a sparse pattern keeps, or None.
         num_decoder_layers: decoder layers of an encoder-decoder model (each with
             self- and cross-attention); 0 for encoder-only and decoder-only models.
@@ -127,6 +133,7 @@ class ArchSpec:
     hidden_dropout: float = 0.0
     extra_parameters: int = 0
     moe: MoESpec | None = None
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -150,6 +157,35 @@ class ArchSpec:
             check_positive_int("window", self.window)
         if self.pattern_density is not None and not 0.0 < self.pattern_density <= 1.0:
             raise ValueError(f"pattern_density must be in (0, 1], got {self.pattern_density!r}")
+        if self.layer_windows is not None:
+            self._check_layer_windows(self.layer_windows)
+
+    def _check_layer_windows(self, windows: tuple[int | None, ...]) -> None:
+        if not isinstance(windows, tuple) or len(windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows must be a tuple of one window (or None) per layer, "
+                f"{self.num_layers} in all, got {windows!r}"
+            )
+        for w in windows:
+            if w is not None:
+                check_positive_int("layer_windows entry", w)
+        if self.window is not None:
+            raise ValueError(
+                f"layer_windows ({windows}) and window ({self.window}) do not combine: "
+                "give the window of every layer in layer_windows"
+            )
+        if self.num_decoder_layers:
+            raise ValueError("layer_windows is for encoder-only and decoder-only models")
+
+    @property
+    def window_groups(self) -> list[tuple[int | None, int]]:
+        """``(window, layers)`` for each window the layers use, in order of first use."""
+        if self.layer_windows is None:
+            return [(self.window, self.num_layers)]
+        counts: dict[int | None, int] = {}
+        for w in self.layer_windows:
+            counts[w] = counts.get(w, 0) + 1
+        return list(counts.items())
 
     @property
     def q_dim(self) -> int:
@@ -208,169 +244,6 @@ def describe(config_or_model: Any) -> ArchSpec:
     )
 
 
-# --------------------------------------------------------------------------- adapters
-
-
-def _encoder(config: Any) -> ArchSpec:
-    if config.local_attention is not None and any(w is not None for w in config.local_attention):
-        raise ValueError(
-            "the cost model costs uniform attention layers; this encoder mixes local windows "
-            f"{list(config.local_attention)} (None: global) across its layers (ModernBERT), "
-            "which it does not estimate yet"
-        )
-    return ArchSpec(
-        name="encoder",
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        ffn="gated" if config.mlp == "gated" else "standard",
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        activation=config.hidden_act,
-        attention_bias=config.attention_bias,
-        attention_out_bias=config.attention_bias,
-        mlp_bias=config.mlp_bias,
-        causal=False,
-        position="learned",
-        max_positions=config.max_position_embeddings,
-        learned_positions=True,
-        type_vocab_size=config.type_vocab_size,
-        norm="layernorm",
-        embedding_norm=True,
-        final_norm=config.norm_position == "pre",
-        lm_head=False,
-        pooler=config.add_pooler,
-        attention_dropout=config.attention_probs_dropout_prob,
-        hidden_dropout=config.hidden_dropout_prob,
-    )
-
-
-def _ffn_name(config: Any) -> str:
-    moe = _moe_spec(config)
-    if moe is None:
-        return str(config.mlp)
-    return f"MoE {moe.num_experts}x top-{moe.top_k} in {moe.num_layers} layers"
-
-
-def _decoder(config: Any) -> ArchSpec:
-    mixers = sorted({spec.mixer for spec in config.layer_specs})
-    if mixers != ["attention"]:
-        # an ArchSpec describes uniform attention layers: costing a hybrid's Mamba layers as
-        # attention would be wrong (parameters, FLOPs, and a KV cache they do not keep)
-        raise ValueError(
-            f"the cost model covers attention decoders (and, through estimate_recurrent, "
-            f"pure state-space models); this layout mixes {mixers} layers, a hybrid it does "
-            "not estimate"
-        )
-    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
-    if len(windows) > 1:
-        raise ValueError(
-            "the cost model costs uniform attention layers; this layout mixes windows "
-            f"{sorted(windows, key=lambda w: (w is not None, w or 0))} (None: global) across "
-            "its layers (Gemma, windowed Qwen), which it does not estimate yet"
-        )
-    pos = config.position_embedding
-    out_bias = config.attention_out_bias
-    return ArchSpec(
-        name=f"decoder ({pos}, {_ffn_name(config)} FFN"
-        + (f", window {config.sliding_window})" if config.sliding_window else ")"),
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        ffn="gated" if config.mlp == "gated" else "standard",
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        activation=config.hidden_act,
-        causal=True,
-        position=pos,
-        max_positions=config.max_position_embeddings,
-        learned_positions=pos == "learned",
-        type_vocab_size=0,
-        norm="rmsnorm" if config.norm == "rmsnorm" else "layernorm",
-        embedding_norm=config.embedding_norm,
-        final_norm=True,
-        attention_bias=config.attention_bias,
-        attention_out_bias=config.attention_bias if out_bias is None else out_bias,
-        mlp_bias=config.mlp_bias,
-        lm_head=True,
-        tied_embeddings=config.tie_word_embeddings,
-        window=config.sliding_window,
-        attention_dropout=config.attention_dropout,
-        hidden_dropout=config.hidden_dropout,
-        moe=_moe_spec(config),
-        extra_parameters=_extra_norm_parameters(config),
-    )
-
-
-def _extra_norm_parameters(config: Any) -> int:
-    """Norm weights beyond one per sublayer: QK-norm (per channel of the projection, OLMoE;
-    or per head feature, shared by the heads, Qwen3) and the sandwich's two output norms
-    (Gemma 2 and 3)."""
-    n, d = config.num_hidden_layers, config.hidden_size
-    qk = 0
-    if config.qk_norm:
-        heads = config.num_attention_heads + config.num_key_value_heads
-        qk = 2 * config.head_dim if config.qk_norm_scope == "head" else heads * config.head_dim
-    sandwich = 2 * d if config.norm_placement == "sandwich" else 0
-    return n * (qk + sandwich)
-
-
-def _moe_spec(config: Any) -> MoESpec | None:
-    """The MoE layers of a ``DecoderConfig`` (the first MoE layer's settings stand for all)."""
-    layers = getattr(config, "moe_layers", None)
-    if not layers:
-        return None
-    moe = config.layer_specs[layers[0]].moe
-    return MoESpec(
-        num_layers=len(layers),
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        intermediate_size=moe.intermediate_size,
-        gated=moe.expert_mlp == "gated",
-        activation=moe.hidden_act,
-        shared_intermediate_size=moe.shared_expert_intermediate_size,
-        shared_gate=moe.shared_expert_gate,
-    )
-
-
-def _seq2seq(config: Any) -> ArchSpec:
-    pos = config.position_embedding
-    relative = pos == "t5_relative"
-    return ArchSpec(
-        name=f"encoder-decoder ({pos})",
-        num_layers=config.num_layers,
-        hidden_size=config.d_model,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_heads,
-        head_dim=config.d_kv,
-        ffn="gated" if config.mlp == "gated" else "standard",
-        intermediate_size=config.d_ff,
-        vocab_size=config.vocab_size,
-        activation=config.dense_act_fn,
-        causal=False,
-        position="relative" if relative else pos,
-        max_positions=config.max_position_embeddings,
-        learned_positions=pos == "learned",
-        norm="rmsnorm" if config.norm == "rmsnorm" else "layernorm",
-        final_norm=config.norm_position == "pre",
-        attention_bias=config.bias,
-        attention_out_bias=config.bias,
-        mlp_bias=config.bias,
-        lm_head=True,
-        tied_embeddings=config.tie_word_embeddings,
-        num_decoder_layers=config.num_decoder_layers,
-        hidden_dropout=config.dropout_rate,
-        # one bucket table per stack (encoder: bidirectional, decoder: causal)
-        extra_parameters=2 * config.relative_attention_num_buckets * config.num_heads
-        if relative
-        else 0,
-    )
-
-
 _BUILTIN_DONE = False
 
 
@@ -379,13 +252,14 @@ def _register_builtin() -> None:
     global _BUILTIN_DONE
     if _BUILTIN_DONE:
         return
+    from attnlab.analysis.arch_adapters import decoder_spec, encoder_spec, seq2seq_spec
     from attnlab.models.config import EncoderConfig
     from attnlab.models.decoder_config import DecoderConfig
     from attnlab.models.seq2seq_config import Seq2SeqConfig
 
-    _ADAPTERS.setdefault(EncoderConfig, _encoder)
-    _ADAPTERS.setdefault(DecoderConfig, _decoder)
-    _ADAPTERS.setdefault(Seq2SeqConfig, _seq2seq)
+    _ADAPTERS.setdefault(EncoderConfig, encoder_spec)
+    _ADAPTERS.setdefault(DecoderConfig, decoder_spec)
+    _ADAPTERS.setdefault(Seq2SeqConfig, seq2seq_spec)
     _BUILTIN_DONE = True
 
 
@@ -473,6 +347,23 @@ def _presets() -> dict[str, ArchSpec]:
             intermediate_size=14336,
             window=4096,
             max_positions=32768,
+        ),
+        # Gemma 2 2B: local (4096) and global layers alternating, the first local; four
+        # norms per layer (two beyond the usual pair), tied embeddings
+        "gemma-2-2b": llama.with_(
+            name="gemma-2-2b",
+            num_layers=26,
+            hidden_size=2304,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=256,
+            intermediate_size=9216,
+            vocab_size=256000,
+            activation="gelu_pytorch_tanh",
+            max_positions=8192,
+            tied_embeddings=True,
+            layer_windows=(4096, None) * 13,
+            extra_parameters=26 * 2 * 2304,
         ),
     }
 

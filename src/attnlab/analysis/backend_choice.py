@@ -31,6 +31,7 @@ def auto_choice(
     training: bool,
     causal: bool,
     window: int | None = None,
+    two_sided: bool = False,
     mask: Any = None,
     dense_mask: bool = False,
     positions: bool = False,
@@ -49,6 +50,8 @@ def auto_choice(
         training: gradients are needed (forward + backward constants; some backends refuse).
         causal: a causal mask (``is_causal``, or the window's own causality).
         window: a causal sliding window of ``window`` keys, passed as a pattern.
+        two_sided: the window is bidirectional, ``window // 2`` keys on each side (an
+            encoder's local layers).
         mask: a :class:`~attnlab.functional.masks.MaskPattern` the call passes (wins over
             ``window``).
         dense_mask: the call passes a dense mask (a pattern known only by its density).
@@ -67,7 +70,10 @@ def auto_choice(
 
     pattern = mask
     if pattern is None and window is not None:
-        pattern = masks.sliding_window(window - 1)
+        half = window // 2
+        pattern = (
+            masks.sliding_window(half, half) if two_sided else masks.sliding_window(window - 1)
+        )
     kind = "pattern" if pattern is not None else ("bool" if dense_mask else "none")
     call = AttentionCall(
         query_shape=(batch_size, num_heads, q_len, head_dim),

@@ -26,18 +26,27 @@ Counting conventions (Kaplan et al., 2020, "Scaling laws", table 1; Korthikanti 
 
 Nothing here runs a model: :func:`estimate` is arithmetic on an
 :class:`~attnlab.analysis.arch.ArchSpec`, fast enough to sweep thousands of shapes. The
-per-layer formulas and the backends' traits live in :mod:`attnlab.analysis.cost_layers`.
+per-layer formulas and the backends' traits live in :mod:`attnlab.analysis.cost_layers`,
+the activation peak in :mod:`attnlab.analysis.cost_memory`, the report in
+:mod:`attnlab.analysis.cost_report`. A layout that mixes windows across its layers
+(Gemma 2's alternate local and global layers, Gemma 3's five to one, ModernBERT's every
+third global) is costed group by group: each window's layers get their own shape, backend
+(``auto`` chooses per group, as the model's per-layer calls do) and KV cache (a rolling
+one on local layers, a growing one on global layers, as ``DecoderLM.new_cache`` builds).
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from attnlab._validate import check_int, check_positive_int
 from attnlab.analysis.arch import ArchSpec, describe
-from attnlab.analysis.backend_choice import auto_choice
+from attnlab.analysis.cost_attention import (
+    LayerGroup,
+    auto_backend,
+    group_label,
+    self_attention,
+)
 from attnlab.analysis.cost_kv import check_kv_dtype, quantized_kv_bytes
 from attnlab.analysis.cost_layers import (
     BACKEND_TRAITS,
@@ -45,15 +54,19 @@ from attnlab.analysis.cost_layers import (
     TILED,
     BackendTraits,
     LayerShape,
-    attention_work,
-    causal_density,
-    dynamic_slots,
     layer_flops,
-    layer_saved,
     parameter_count,
     register_backend_traits,
     traits_of,
-    window_density,
+)
+from attnlab.analysis.cost_memory import activations
+from attnlab.analysis.cost_report import (
+    ComponentCost,
+    CostReport,
+    _dtype,
+    dtype_bytes,
+    human_bytes,
+    human_flops,
 )
 from attnlab.analysis.moe_cost import active_parameter_count, all_to_all_bytes
 
@@ -85,219 +98,57 @@ COMPONENTS = (
     "lm_head",
     "pooler",
 )
-_DTYPE_NAMES: dict[str, tuple[str, int]] = {
-    "fp32": ("float32", 4),
-    "float32": ("float32", 4),
-    "float": ("float32", 4),
-    "fp16": ("float16", 2),
-    "float16": ("float16", 2),
-    "half": ("float16", 2),
-    "bf16": ("bfloat16", 2),
-    "bfloat16": ("bfloat16", 2),
-    "fp64": ("float64", 8),
-    "float64": ("float64", 8),
-}
 
 
-def _dtype(dtype: Any) -> tuple[str, int]:
-    """``(name, bytes per element)`` of a floating ``torch.dtype`` or its name.
-
-    Works without importing torch (the CLI's ``estimate`` never does).
-    """
-    if isinstance(dtype, str):
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[dtype]
-    if type(dtype).__name__ != "dtype" or not getattr(dtype, "is_floating_point", False):
-        raise ValueError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
-    return str(dtype).removeprefix("torch."), int(dtype.itemsize)
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of a floating dtype, given as ``torch.float16`` or ``"bf16"``/``"float16"``.
-
-    Raises:
-        ValueError: an unknown name or a non-floating dtype.
-    """
-    return _dtype(dtype)[1]
-
-
-@dataclass
-class ComponentCost:
-    """Work and memory of one component, summed over layers.
-
-    Attributes:
-        flops: all FLOPs for the mode (matmul + element-wise).
-        matmul_flops: the matmul part.
-        activation_bytes: activations this component holds at the peak (saved for backward
-            in training; live tensors in inference).
-    """
-
-    flops: float = 0.0
-    matmul_flops: float = 0.0
-    activation_bytes: float = 0.0
-
-    def add(self, *, mm: float = 0.0, ew: float = 0.0, act: float = 0.0) -> None:
-        self.matmul_flops += mm
-        self.flops += mm + ew
-        self.activation_bytes += act
-
-
-@dataclass
-class CostReport:
-    """What :func:`estimate` computes. FLOPs are for the whole mode (training: forward +
-    backward; decode: one step); bytes are totals over the batch.
-
-    Attributes:
-        arch: the architecture described.
-        mode: ``"inference"``, ``"training"`` or ``"decode"``.
-        batch_size: sequences.
-        seq_len: tokens per sequence (decode: tokens already in the cache).
-        new_tokens: decode only: tokens produced in the step.
-        dtype: the compute/parameter dtype's name.
-        backend: the attention backend costed (``auto`` resolved).
-        checkpointing: gradient checkpointing per layer (training).
-        by_component: :class:`ComponentCost` per component name.
-        flops: total FLOPs.
-        matmul_flops: the matmul part of ``flops``.
-        forward_matmul_flops: matmul FLOPs of one forward pass.
-        attention_density: fraction of (query, key) pairs the mask keeps.
-        parameter_count: parameters.
-        parameter_bytes: parameter memory.
-        gradient_bytes: gradient memory (training).
-        optimizer_bytes: optimizer state (training).
-        kv_cache_bytes: KV-cache memory (decode).
-        activation_bytes: peak activation memory for ``backend`` and ``checkpointing``.
-        activation_variants: activation bytes for materialised/tiled attention with and
-            without checkpointing (training) or materialised/tiled (inference).
-        score_matrix_bytes: one layer's ``B x H x L x S`` score matrix.
-        total_bytes: parameters + gradients + optimizer + KV cache + activations.
-        notes: assumptions that shaped the numbers.
-        active_parameter_count: parameters one token uses (MoE: ``k`` of ``E`` experts;
-            dense: all).
-        all_to_all_bytes: on-paper bytes expert parallelism moves for this pass
-            (``expert_parallel`` devices; 0 without MoE or with one device).
-    """
-
-    arch: ArchSpec
-    mode: str
-    batch_size: int
-    seq_len: int
-    new_tokens: int
-    dtype: str
-    backend: str
-    checkpointing: bool
-    by_component: dict[str, ComponentCost]
-    flops: float
-    matmul_flops: float
-    forward_matmul_flops: float
-    attention_density: float
-    parameter_count: int
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-    kv_cache_bytes: int
-    activation_bytes: int
-    activation_variants: dict[str, int]
-    score_matrix_bytes: int
-    total_bytes: int
-    notes: list[str] = field(default_factory=list)
-    active_parameter_count: int = 0
-    all_to_all_bytes: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``json.dumps``."""
-        d = asdict(self)
-        d["arch"] = asdict(self.arch)
-        return d
-
-    def summary(self) -> str:
-        """A few lines a person reads."""
-        lines = [
-            f"{self.arch.name} ({self.arch.attention_kind}), mode={self.mode}, batch={self.batch_size}, "
-            f"seq_len={self.seq_len}, dtype={self.dtype}, backend={self.backend}"
-            + (", checkpointing" if self.checkpointing else ""),
-            f"  FLOPs {human_flops(self.flops)} (matmul {human_flops(self.matmul_flops)})",
-            f"  parameters {self.parameter_count:,} = {human_bytes(self.parameter_bytes)}",
-        ]
-        if self.arch.moe is not None:
-            lines.append(
-                f"  active parameters per token {self.active_parameter_count:,} "
-                f"({self.active_parameter_count / self.parameter_count:.1%})"
-            )
-            if self.all_to_all_bytes:
-                lines.append(f"  expert-parallel all-to-all {human_bytes(self.all_to_all_bytes)}")
-        if self.mode == "training":
-            lines.append(
-                f"  gradients {human_bytes(self.gradient_bytes)}, optimizer state "
-                f"{human_bytes(self.optimizer_bytes)}"
-            )
-        if self.kv_cache_bytes:
-            lines.append(f"  KV cache {human_bytes(self.kv_cache_bytes)}")
-        lines.append(f"  activations {human_bytes(self.activation_bytes)}")
-        lines.append(f"  total {human_bytes(self.total_bytes)}")
-        lines.append("  by component:")
-        for name, c in self.by_component.items():
-            if c.flops or c.activation_bytes:
-                lines.append(
-                    f"    {name:<17} {human_flops(c.flops):>10}  {human_bytes(c.activation_bytes):>10}"
-                )
-        return "\n".join(lines)
-
-
-def human_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_flops(n: float) -> str:
-    """``2.5e9 -> '2.50 GFLOP'``."""
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} FLOP"
-
-
-def _auto_backend(
-    requested: str,
-    spec: ArchSpec,
-    shape: LayerShape,
+def _check_arguments(
     *,
+    sizes: dict[str, int],
+    window: int | None,
+    cache_capacity: int | None,
+    target_len: int | None,
+    backend: str,
     mode: str,
-    dtype: str,
-    mask: Any,
-) -> str:
-    """The backend ``auto`` would choose for this model's self-attention calls.
+    optimizer: str | None,
+) -> None:
+    for name, value in sizes.items():
+        check_positive_int(name, value)
+    if window is not None:
+        check_positive_int("window", window)
+    if cache_capacity is not None:
+        check_int("cache_capacity", cache_capacity, min_value=0)
+    if target_len is not None:
+        check_int("target_len", target_len, min_value=0)
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_TRAITS):
+        raise ValueError(
+            f"backend must be 'auto' or a backend the cost model knows, {sorted(BACKEND_TRAITS)}, "
+            f"got {backend!r} (a backend you registered needs register_backend_traits)"
+        )
+    if mode not in ("inference", "training", "decode"):
+        raise ValueError(f"mode must be 'inference', 'training' or 'decode', got {mode!r}")
+    if optimizer not in (None, "adamw", "adam", "sgd", "momentum"):
+        raise ValueError(
+            f"optimizer must be 'adamw', 'adam', 'sgd', 'momentum' or None, got {optimizer!r}"
+        )
 
-    A backend named, or set with ``attnlab.backends.use``, wins (costed as asked).
-    Otherwise the registry decides (:func:`attnlab.analysis.backend_choice.auto_choice`):
-    its checks and its calibrated cost model, the same that run a real call.
-    """
-    if requested != "auto":
-        return requested
-    registry = sys.modules.get("attnlab.backends.registry")
-    if registry is not None and registry.current() != "auto":
-        return str(registry.current())
-    why = auto_choice(
-        batch_size=shape.b,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        q_len=shape.lq,
-        kv_len=shape.s,
-        dtype=dtype,
-        training=mode == "training",
-        causal=shape.causal,
-        window=shape.window,
-        mask=mask,
-        dense_mask=not shape.structured and mask is None,
-        positions=mode == "decode",
-    )
-    return why.chosen
+
+def _backward_factor(component: str, traits: BackendTraits, checkpointing: bool) -> float:
+    """The backward pass's FLOPs over the forward's, for one component."""
+    attn = component in ("attention_scores", "attention_v")
+    factor = traits.backward_factor if attn else 2.0
+    if checkpointing and component not in ("lm_head", "pooler", "embeddings"):
+        factor += 1.0  # the forward of each layer runs again during backward
+    return factor
+
+
+def _optimizer_bytes(n_params: int, bpe: int, optimizer: str | None, notes: list[str]) -> int:
+    if optimizer is None:
+        return 0
+    states = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1}[optimizer]
+    opt_bytes = n_params * 4 * states
+    if bpe < 4 and states:
+        opt_bytes += n_params * 4  # float32 master weights (mixed precision)
+        notes.append("16-bit parameters: optimizer keeps float32 master weights")
+    return opt_bytes
 
 
 # --------------------------------------------------------------------------- estimate
@@ -365,53 +216,42 @@ def estimate(
             (:mod:`attnlab.analysis.cost_kv`); None or ``"float"``: the model dtype.
 
     Returns:
-        A :class:`CostReport`.
+        A :class:`CostReport`; for a layout that mixes windows, ``backend`` joins the
+        groups' backends with ``+`` and ``layer_backends`` names each group's.
 
     Raises:
         ValueError: sizes that are not positive, an unknown mode, dtype, optimizer or cache.
         TypeError: an object no adapter describes.
     """
     spec = describe(config_or_model)
-    for name, value in (
-        ("batch_size", batch_size),
-        ("seq_len", seq_len),
-        ("new_tokens", new_tokens),
-        ("expert_parallel", expert_parallel),
-    ):
-        check_positive_int(name, value)
+    sizes = {"batch_size": batch_size, "seq_len": seq_len, "new_tokens": new_tokens}
+    _check_arguments(
+        sizes=sizes | {"expert_parallel": expert_parallel},
+        window=window,
+        cache_capacity=cache_capacity,
+        target_len=target_len,
+        backend=backend,
+        mode=mode,
+        optimizer=optimizer,
+    )
     if window is not None:
-        check_positive_int("window", window)
-    if cache_capacity is not None:
-        check_int("cache_capacity", cache_capacity, min_value=0)
-    if target_len is not None:
-        check_int("target_len", target_len, min_value=0)
-    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_TRAITS):
-        raise ValueError(
-            f"backend must be 'auto' or a backend the cost model knows, {sorted(BACKEND_TRAITS)}, "
-            f"got {backend!r} (a backend you registered needs register_backend_traits)"
-        )
-    if mode not in ("inference", "training", "decode"):
-        raise ValueError(f"mode must be 'inference', 'training' or 'decode', got {mode!r}")
-    if optimizer not in (None, "adamw", "adam", "sgd", "momentum"):
-        raise ValueError(
-            f"optimizer must be 'adamw', 'adam', 'sgd', 'momentum' or None, got {optimizer!r}"
-        )
-    if cache is None:  # what DecoderLM.new_cache() builds
-        cache = "sliding" if spec.window is not None or window is not None else "dynamic"
+        spec = spec.with_(window=window, causal=True, layer_windows=None)
+    windowed = spec.window is not None or spec.layer_windows is not None
+    if cache is None:  # what DecoderLM.new_cache() builds (per layer)
+        cache = "sliding" if windowed else "dynamic"
     if cache == "contiguous":
         cache = "dynamic"
     if cache not in ("dynamic", "static", "sliding"):
         raise ValueError(f"cache must be 'dynamic', 'static' or 'sliding', got {cache!r}")
+    if mode == "decode" and cache == "sliding" and not windowed:
+        raise ValueError("cache='sliding' needs a window (config or window=)")
     kv_dtype = check_kv_dtype(kv_dtype, mode, cache)
     dtype_name, bpe = _dtype(dtype)
-    requested = backend
-    if window is not None:
-        spec = spec.with_(window=window, causal=True)
     training = mode == "training"
     notes: list[str] = []
 
-    # -- the self-attention shape of the (decoder or encoder) stack; an encoder-decoder's
-    # decoder runs over target_len tokens (decode: target_len already decoded)
+    # -- the self-attention shape of the (decoder or encoder) stack, one per window group;
+    # an encoder-decoder's decoder runs over target_len tokens (decode: target_len decoded)
     decode = mode == "decode"
     encdec = spec.num_decoder_layers > 0
     self_len = seq_len
@@ -420,102 +260,73 @@ def estimate(
         if self_len < 0 or (self_len == 0 and not decode):
             raise ValueError(f"target_len must be a positive int, got {target_len!r}")
         spec = spec.with_(causal=True)  # the decoder's self-attention
-    lq = new_tokens if decode else self_len
-    context = self_len + new_tokens if decode else self_len
-    q_offset = context - lq
-    # keys the attention runs over (stored) and slots the cache allocates (cache_slots)
-    stored = cache_slots = context
-    if decode:
-        if cache == "static":
-            cap = cache_capacity if cache_capacity is not None else context
-            if cap < context:
-                raise ValueError(
-                    f"cache_capacity ({cap}) is smaller than the context ({context} tokens)"
-                )
-            stored = cache_slots = cap  # StaticKVCache returns its whole buffer
-        elif cache == "sliding":
-            if spec.window is None:
-                raise ValueError("cache='sliding' needs a window (config or window=)")
-            # SlidingWindowKVCache keeps the last W slots and appends the new ones to them
-            stored = cache_slots = min(self_len, spec.window) + lq
-        else:
-            capacity = context if cache_capacity is None else cache_capacity
-            cache_slots = dynamic_slots(self_len, lq, capacity)
-    if mask is not None:
-        density = float(mask.density(lq, context, q_offset=q_offset))
-        masked = True if masked is None else masked
-    elif spec.window is not None:
-        density = window_density(spec.window, lq, context, q_offset)
-    elif spec.causal:
-        density = causal_density(lq, context, q_offset)
-    else:
-        density = 1.0
-    if spec.pattern_density is not None and mask is None:
-        density = min(density, spec.pattern_density)
+    groups: list[LayerGroup] = []
+    for w, count in spec.window_groups:
+        g_spec = spec.with_(window=w, layer_windows=None, num_layers=count)
+        shape, slots = self_attention(
+            g_spec,
+            batch_size=batch_size,
+            self_len=self_len,
+            decode=decode,
+            new_tokens=new_tokens,
+            cache=cache,
+            cache_capacity=cache_capacity,
+            mask=mask,
+        )
+        name = auto_backend(backend, g_spec, shape, mode=mode, dtype=dtype_name, mask=mask)
+        groups.append(LayerGroup(g_spec, shape, slots, name, traits_of(name)))
+    main = groups[0]
     if masked is None:
-        masked = spec.causal or spec.window is not None or spec.pattern_density is not None
-    if stored != context:
-        density *= context / stored  # the same attended pairs, over the keys returned
-    self_shape = LayerShape(
-        b=batch_size,
-        lq=lq,
-        s=stored,
-        density=density,
-        causal=spec.causal or spec.window is not None,
-        window=spec.window,
-        q_offset=q_offset,
-        structured=mask is None and spec.pattern_density is None,
-    )
-    backend = _auto_backend(requested, spec, self_shape, mode=mode, dtype=dtype_name, mask=mask)
-    traits = traits_of(backend)
-    if requested == "auto":
-        notes.append(f"auto resolves to {backend!r} for this shape (the registry's choice)")
-    if backend not in BACKEND_TRAITS:
-        notes.append(f"no traits registered for backend {backend!r}: costed like 'sdpa'")
+        masked = mask is not None or spec.causal or windowed or spec.pattern_density is not None
+    for g in groups:
+        if backend == "auto":
+            where = "" if len(groups) == 1 else f" on the {group_label(g)}"
+            notes.append(f"auto resolves to {g.backend!r}{where} (the registry's choice)")
+        if g.backend not in BACKEND_TRAITS:
+            notes.append(f"no traits registered for backend {g.backend!r}: costed like 'sdpa'")
     by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}
     fwd_mm = 0.0
 
-    def add_layers(n: int, sh: LayerShape, cross: LayerShape | None) -> None:
+    def add(comp: str, mm: float, ew: float, traits: BackendTraits) -> None:
         nonlocal fwd_mm
-        for shape in [sh] + ([cross] if cross is not None else []):
-            per = layer_flops(spec, shape, traits, masked=bool(masked) and not shape.cross)
-            if shape.cross:
-                per.pop("feed_forward")
-            for comp, (mm, ew) in per.items():
-                by[comp].add(mm=n * mm, ew=n * ew)
-                fwd_mm += n * mm
+        fwd_mm += mm
+        scale = 1.0 + _backward_factor(comp, traits, checkpointing) if training else 1.0
+        by[comp].add(mm=mm * scale, ew=ew * scale)
+
+    def add_layers(n: int, g_spec: ArchSpec, shape: LayerShape, traits: BackendTraits) -> None:
+        per = layer_flops(g_spec, shape, traits, masked=bool(masked) and not shape.cross)
+        if shape.cross:
+            per.pop("feed_forward")
+        for comp, (mm, ew_) in per.items():
+            add(comp, n * mm, n * ew_, traits)
 
     n_self = spec.num_layers
     extra: tuple[tuple[int, ArchSpec, LayerShape, bool], ...] = ()
     if encdec:
         enc_shape = LayerShape(b=batch_size, lq=seq_len, s=seq_len, density=1.0)
-        if not decode:
-            # the encoder is bidirectional
-            enc_spec = spec.with_(causal=False)
-            for comp, (mm, ew_) in layer_flops(enc_spec, enc_shape, traits, masked=False).items():
-                by[comp].add(mm=spec.num_layers * mm, ew=spec.num_layers * ew_)
-                fwd_mm += spec.num_layers * mm
-        dec_self = self_shape
+        if not decode:  # the encoder is bidirectional
+            add_layers(spec.num_layers, spec.with_(causal=False), enc_shape, main.traits)
         # the encoder output is projected once per sequence (cached while decoding)
         cross = LayerShape(
             b=batch_size,
-            lq=dec_self.lq,
+            lq=main.shape.lq,
             s=seq_len,
             density=1.0,
             cross=True,
             kv_new=0 if decode else seq_len,
         )
-        add_layers(spec.num_decoder_layers, dec_self, cross)
+        add_layers(spec.num_decoder_layers, spec, main.shape, main.traits)
+        add_layers(spec.num_decoder_layers, spec, cross, main.traits)
         n_self = spec.num_decoder_layers
         extra = (
             (spec.num_layers, spec.with_(causal=False), enc_shape, True),
             (spec.num_decoder_layers, spec, cross, False),
         )
-        head_tokens = batch_size * dec_self.lq
     else:
-        add_layers(spec.num_layers, self_shape, None)
-        head_tokens = batch_size * lq
-    tokens = batch_size * lq
+        for g in groups:
+            add_layers(g.count, g.spec, g.shape, g.traits)
+    head_tokens = batch_size * main.shape.lq
+    tokens = batch_size * main.shape.lq
     d, v = spec.hidden_size, spec.vocab_size
     ew = ELEMENTWISE_FLOPS
     emb_ew = (
@@ -526,87 +337,75 @@ def estimate(
             + (ew[spec.norm] if spec.embedding_norm else 0)
         )
     )
-    by["embeddings"].add(ew=emb_ew)
+    add("embeddings", 0.0, emb_ew, main.traits)
     if spec.final_norm:
-        by["norms"].add(ew=head_tokens * d * ew[spec.norm])
+        add("norms", 0.0, head_tokens * d * ew[spec.norm], main.traits)
     if spec.lm_head:
-        mm = 2.0 * head_tokens * d * v
-        by["lm_head"].add(mm=mm)
-        fwd_mm += mm
+        add("lm_head", 2.0 * head_tokens * d * v, 0.0, main.traits)
     if spec.pooler:
-        mm = 2.0 * batch_size * d * d
-        by["pooler"].add(mm=mm, ew=batch_size * d * 8)
-        fwd_mm += mm
-
-    # -- training: backward FLOPs
-    if training:
-        for name, c in by.items():
-            attn = name in ("attention_scores", "attention_v")
-            factor = traits.backward_factor if attn else 2.0
-            if checkpointing and name not in ("lm_head", "pooler", "embeddings"):
-                factor += 1.0  # the forward of each layer runs again during backward
-            c.flops += factor * c.flops
-            c.matmul_flops += factor * c.matmul_flops
+        add("pooler", 2.0 * batch_size * d * d, batch_size * d * 8, main.traits)
 
     # -- memory
     n_params = parameter_count(spec)
     param_bytes = n_params * bpe
     grad_bytes = n_params * bpe if training else 0
-    opt_bytes = 0
-    if training and optimizer is not None:
-        states = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1}[optimizer]
-        opt_bytes = n_params * 4 * states
-        if bpe < 4 and states:
-            opt_bytes += n_params * 4  # float32 master weights (mixed precision)
-            notes.append("16-bit parameters: optimizer keeps float32 master weights")
-    kv_layers = spec.num_decoder_layers or spec.num_layers
+    opt_bytes = _optimizer_bytes(n_params, bpe, optimizer, notes) if training else 0
     kv_bytes = 0
-    if decode and kv_dtype is not None:
-        kv_bytes = quantized_kv_bytes(
-            spec, kv_layers, batch_size, cache_slots, context, kv_dtype, bpe
+    if decode:
+        context = self_len + new_tokens
+        kv_groups = (
+            [(spec.num_decoder_layers, main.cache_slots)]
+            if encdec
+            else [(g.count, g.cache_slots) for g in groups]
         )
-        notes.append(f"KV cache in {kv_dtype} (KIVI: keys per channel, values per token)")
-    elif decode:
-        kv_bytes = 2 * kv_layers * batch_size * spec.kv_dim * cache_slots * bpe
-    if decode and spec.num_decoder_layers:  # the cross-attention caches stay float
-        kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
-
-    score_pairs = batch_size * spec.num_heads * lq * stored
+        for n, slots in kv_groups:
+            if kv_dtype is not None:
+                kv_bytes += quantized_kv_bytes(spec, n, batch_size, slots, context, kv_dtype, bpe)
+            else:
+                kv_bytes += 2 * n * batch_size * spec.kv_dim * slots * bpe
+        if kv_dtype is not None:
+            notes.append(f"KV cache in {kv_dtype} (KIVI: keys per channel, values per token)")
+        if encdec:  # the cross-attention caches stay float
+            kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
+    stored = max(g.shape.s for g in groups)
+    score_pairs = batch_size * spec.num_heads * main.shape.lq * stored
     score_bytes = score_pairs * (4 if bpe < 4 else bpe)
+
+    def peak(traits: BackendTraits | None, ckpt: bool) -> tuple[float, dict[str, float]]:
+        others = tuple(
+            (g.count, g.spec, g.shape, traits or g.traits) for g in groups[1:] if not encdec
+        )
+        return activations(
+            main.spec,
+            main.shape,
+            traits or main.traits,
+            bpe,
+            mode,
+            n_self,
+            checkpointing=ckpt,
+            head_tokens=head_tokens,
+            extra=extra,
+            others=others,
+        )
+
     variants: dict[str, int] = {}
-    chosen = 0
     for label, tr in (("materialised", BACKEND_TRAITS["reference"]), ("tiled", TILED)):
         for ckpt in (False, True) if training else (False,):
-            val, comps = _activations(
-                spec,
-                self_shape,
-                tr,
-                bpe,
-                mode,
-                n_self,
-                checkpointing=ckpt,
-                head_tokens=head_tokens,
-                extra=extra,
-            )
-            key = label + ("+checkpointing" if ckpt else "")
-            variants[key] = int(val)
-    act, comps = _activations(
-        spec,
-        self_shape,
-        traits,
-        bpe,
-        mode,
-        n_self,
-        checkpointing=checkpointing and training,
-        head_tokens=head_tokens,
-        extra=extra,
-    )
+            variants[label + ("+checkpointing" if ckpt else "")] = int(peak(tr, ckpt)[0])
+    act, comps = peak(None, checkpointing and training)
     chosen = int(act)
     for name, b in comps.items():
         by[name].activation_bytes += b
-    total_flops = sum(c.flops for c in by.values())
-    total_mm = sum(c.matmul_flops for c in by.values())
     total = param_bytes + grad_bytes + opt_bytes + kv_bytes + chosen
+    density = main.shape.density
+    if len(groups) > 1:
+        density = sum(g.count * g.shape.density for g in groups) / spec.num_layers
+        notes.append(
+            "layers by window: "
+            + "; ".join(
+                f"{g.count} {group_label(g)} (density {g.shape.density:.3f})" for g in groups
+            )
+        )
     if spec.pattern_density is not None or mask is not None:
         notes.append(f"mask density {density:.3f} scales the work of tile-skipping backends")
     a2a = 0.0
@@ -631,11 +430,13 @@ def estimate(
         seq_len=seq_len,
         new_tokens=new_tokens if decode else 0,
         dtype=dtype_name,
-        backend=backend,
+        backend=main.backend
+        if len(groups) == 1
+        else "+".join(dict.fromkeys(g.backend for g in groups)),
         checkpointing=checkpointing and training,
         by_component=by,
-        flops=total_flops,
-        matmul_flops=total_mm,
+        flops=sum(c.flops for c in by.values()),
+        matmul_flops=sum(c.matmul_flops for c in by.values()),
         forward_matmul_flops=fwd_mm,
         attention_density=density,
         parameter_count=n_params,
@@ -650,92 +451,8 @@ def estimate(
         notes=notes,
         active_parameter_count=active_parameter_count(spec, n_params),
         all_to_all_bytes=a2a,
+        layer_backends={group_label(g): g.backend for g in groups} if len(groups) > 1 else {},
     )
-
-
-def _activations(
-    spec: ArchSpec,
-    sh: LayerShape,
-    traits: BackendTraits,
-    bpe: int,
-    mode: str,
-    n_layers: int,
-    *,
-    checkpointing: bool,
-    head_tokens: int,
-    extra: tuple[tuple[int, ArchSpec, LayerShape, bool], ...] = (),
-) -> tuple[float, dict[str, float]]:
-    """Peak activation bytes and their split by component.
-
-    ``extra`` adds other layer kinds kept for the backward pass: ``(count, spec, shape,
-    with_ffn)`` (an encoder-decoder's encoder layers and cross-attention sublayers).
-    """
-    t = sh.b * sh.lq
-    d, f, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
-    _, _, pairs = attention_work(spec, sh, traits, spec.causal)
-    score_bpe = 4 if bpe < 4 and traits.materialises_scores else bpe
-    comps: dict[str, float] = {}
-    if mode != "training":
-        # Inference: the largest set of tensors alive at once inside one layer.
-        hidden = 2 * t * d * bpe  # residual stream + sublayer output
-        attn = traits.score_tensors_live * pairs * score_bpe
-        attn += t * (spec.q_dim + 2 * spec.kv_dim) * bpe * (2 if traits.materialises_scores else 1)
-        n_mats = 3 if spec.ffn == "gated" else 2
-        ffn = t * f * bpe * (n_mats)
-        logits = float(head_tokens * v * bpe) if spec.lm_head else 0.0
-        peak = hidden + max(attn, ffn, logits)
-        comps = {"attention_scores": hidden + attn if attn >= ffn else hidden, "feed_forward": 0.0}
-        if ffn > attn:
-            comps = {"feed_forward": hidden + ffn}
-        if logits > max(attn, ffn):
-            comps = {"lm_head": hidden + logits}
-        return peak, comps
-    per_layer = layer_saved(spec, sh, traits, bpe, training=True)
-    for count, x_spec, x_shape, with_ffn in extra:
-        x_saved = layer_saved(x_spec, x_shape, traits, bpe, training=True)
-        if not with_ffn:
-            x_saved.pop("feed_forward")
-        for name, b in x_saved.items():
-            per_layer[name] = per_layer.get(name, 0.0) + b * count / n_layers
-    layer_total = sum(per_layer.values())
-    # embeddings: the norm's input and the output (the first layer's input)
-    emb = float(2 * t * d * bpe if spec.embedding_norm else t * d * bpe)
-    if spec.hidden_dropout > 0:
-        emb += t * d * bpe  # the embedding dropout's mask
-    # a cross-entropy loss over every position keeps the logits and the log-probabilities,
-    # and the backward starts with two gradients of that size
-    logits = logits_grad = 0.0
-    if spec.lm_head:
-        logits = logits_grad = head_tokens * v * bpe * 2.0
-    # transient at the start of the backward pass: the gradient of the scores and of the
-    # weights of one layer (materialised) or a few hidden-sized gradients (tiled)
-    full_pairs = sh.b * spec.num_heads * sh.lq * sh.s
-    if "softmax" in per_layer:
-        n_tr = traits.transient_score_tensors
-        transient = n_tr * full_pairs * (4 if bpe < 4 else bpe) + 4 * t * d * bpe
-    else:
-        # a few hidden-sized gradients; with checkpointing, also the recomputed layer's
-        # feed-forward intermediate alive next to them
-        transient = 4 * t * d * bpe + (t * f * bpe if checkpointing else 0)
-    if checkpointing:
-        kept = n_layers * t * d * bpe
-        saved = kept + layer_total
-        comps = {"norms": kept}
-        for name, b in per_layer.items():
-            comps[name] = comps.get(name, 0.0) + b
-    else:
-        saved = n_layers * layer_total
-        comps = {name: n_layers * b for name, b in per_layer.items()}
-    comps["embeddings"] = emb
-    if logits:
-        comps["lm_head"] = logits
-    # the LM head's gradients come first and are freed before the layers' backward begins
-    peak = saved + emb + logits + max(transient, logits_grad)
-    if transient >= logits_grad:
-        comps["attention_scores"] = comps.get("attention_scores", 0.0) + transient
-    else:
-        comps["lm_head"] = comps.get("lm_head", 0.0) + logits_grad
-    return peak, comps
 
 
 def sequence_sweep(config_or_model: Any, seq_lens: list[int], **kwargs: Any) -> list[CostReport]:

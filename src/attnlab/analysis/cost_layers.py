@@ -156,6 +156,7 @@ class LayerShape:
     # the structure, for tile counts: causal, a causal window of W keys, first query's position
     causal: bool = False
     window: int | None = None
+    two_sided: bool = False  # the window is bidirectional: window // 2 keys on each side
     q_offset: int = 0
     structured: bool = True  # False when an arbitrary pattern (known by its density) is used
 
@@ -196,7 +197,10 @@ def tile_pairs(sh: LayerShape, block_q: int, block_k: int) -> float:
     # the last query: shift positions so that the last query sits at S - 1
     shift = min(0, sh.s - (sh.q_offset + sh.lq))
     left = sh.window - 1 if sh.window is not None else FAR
-    return float(band_tile_pairs(left, 0, sh.q_offset + shift, sh.lq, sh.s, block_q, block_k))
+    right = 0
+    if sh.two_sided and sh.window is not None:
+        left = right = sh.window // 2
+    return float(band_tile_pairs(left, right, sh.q_offset + shift, sh.lq, sh.s, block_q, block_k))
 
 
 def layer_saved(

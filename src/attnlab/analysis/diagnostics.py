@@ -31,7 +31,6 @@ import contextlib
 import inspect
 import logging
 import math
-from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,6 +40,8 @@ from torch import Tensor, nn
 
 from attnlab.analysis.attention_stats import HeadStats, attention_head_stats
 from attnlab.analysis.expert_stats import ExpertLoad, expert_load
+from attnlab.analysis.input_checks import Issue, check_attn_mask, check_inputs
+from attnlab.analysis.nonfinite import NonFiniteWatch, _finite, _tensors
 
 __all__ = [
     "DiagnosisReport",
@@ -56,27 +57,6 @@ logger = logging.getLogger(__name__)
 
 #: Largest |row sum - 1| accepted for a row that is not fully masked.
 ROW_SUM_TOL = 1e-3
-
-
-@dataclass
-class Issue:
-    """One finding.
-
-    Attributes:
-        kind: a short tag (``"nonfinite"``, ``"mask"``, ``"shape"``, ``"row_sum"``,
-            ``"fully_masked"``, ``"overflow"``, ``"error"``).
-        where: the module or input it concerns.
-        message: what is wrong, with the values.
-        fix: what to do about it.
-    """
-
-    kind: str
-    where: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.where}: {self.message}\n    fix: {self.fix}"
 
 
 @dataclass
@@ -160,242 +140,6 @@ class DiagnosisReport:
                     f"{x.router_entropy:14.3f}  {x.dropped_share:7.3f}{flag}"
                 )
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- hooks
-
-
-def _tensors(x: Any) -> Iterator[Tensor]:
-    """Every tensor in a (nested) output: tensors, tuples, lists, dicts, dataclasses."""
-    if isinstance(x, Tensor):
-        yield x
-    elif isinstance(x, list | tuple):
-        for v in x:
-            yield from _tensors(v)
-    elif isinstance(x, Mapping):
-        for v in x.values():
-            yield from _tensors(v)
-    elif hasattr(x, "__dataclass_fields__"):
-        for name in x.__dataclass_fields__:
-            yield from _tensors(getattr(x, name))
-
-
-def _finite(t: Tensor) -> bool:
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return True
-    # NaN and Inf propagate into a float32 sum; one reduction and one sync per tensor.
-    return bool(torch.isfinite(t.detach().sum(dtype=torch.float32)))
-
-
-def tensor_stats(t: Tensor) -> dict[str, Any]:
-    """Shape, dtype, NaN/Inf counts and the range of the finite values of ``t``."""
-    d: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-    if not t.is_floating_point():
-        return d
-    x = t.detach().float()
-    finite = torch.isfinite(x)
-    d["nan"] = int(torch.isnan(x).sum())
-    d["inf"] = int(torch.isinf(x).sum())
-    if bool(finite.any()):
-        vals = x[finite]
-        d["min"] = float(vals.min())
-        d["max"] = float(vals.max())
-        d["mean"] = float(vals.mean())
-        d["abs_max"] = float(vals.abs().max())
-    return d
-
-
-class NonFiniteWatch:
-    """Forward hooks that remember the first module whose output is not finite.
-
-    Use as a context manager around a forward pass::
-
-        with NonFiniteWatch(model) as watch:
-            model(**inputs)
-        watch.first_module  # "layers.3.feed_forward.fc_in" or None
-
-    Forward hooks run when a module returns, so children report before their parents:
-    the first name recorded is the innermost module that produced the NaN/Inf. Also
-    tracks which module is running (for exceptions) with pre-hooks.
-
-    Args:
-        model: the module to watch (every submodule is hooked).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.first_module: str | None = None
-        self.first_inputs: list[dict[str, Any]] = []
-        self.first_outputs: list[dict[str, Any]] = []
-        self.stack: list[str] = []
-        self._args: list[Any] = []
-        self._recent: deque[Tensor] = deque(maxlen=4)
-        self.deepest_on_error: str | None = None
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> NonFiniteWatch:
-        for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(module.register_forward_hook(self._post(name)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None and self.stack:
-            self.deepest_on_error = self.stack[-1]
-        self._recent.clear()
-        self._args.clear()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _finite_once(self, t: Tensor) -> bool:
-        """``_finite(t)``, skipping a tensor just checked (a container often returns its last
-        child's output). The few recent tensors are held, so their ids cannot be reused."""
-        if any(t is c for c in self._recent):
-            return True
-        ok = _finite(t)
-        self._recent.append(t)
-        return ok
-
-    def _pre(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.stack.append(name)
-            self._args.append(args)
-
-        return hook
-
-    def _post(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.stack and self.stack[-1] == name:
-                self.stack.pop()
-                self._args.pop()
-            if self.first_module is not None:
-                return
-            if all(self._finite_once(t) for t in _tensors(output)):
-                return
-            culprit, culprit_args = name, args
-            if self.stack and not all(_finite(t) for t in _tensors(args)):
-                # Its input was already bad, yet no child module produced it: the code of
-                # the enclosing module that is still running did (e.g. a fused projection).
-                culprit, culprit_args = self.stack[-1], self._args[-1]
-            self.first_module = culprit or "<model>"
-            self.first_inputs = [tensor_stats(t) for t in _tensors(culprit_args)]
-            self.first_outputs = [tensor_stats(t) for t in _tensors(output)]
-
-        return hook
-
-
-# --------------------------------------------------------------------------- input checks
-
-
-def _check_inputs(model: nn.Module, inputs: Mapping[str, Any]) -> list[Issue]:
-    issues: list[Issue] = []
-    ids = inputs.get("input_ids")
-    if isinstance(ids, Tensor):
-        if ids.dim() == 1:
-            issues.append(
-                Issue(
-                    "shape",
-                    "input_ids",
-                    f"input_ids has shape {tuple(ids.shape)}; models take (batch, seq_len)",
-                    "add the batch dimension: input_ids.unsqueeze(0)",
-                )
-            )
-        if ids.is_floating_point():
-            issues.append(
-                Issue(
-                    "dtype",
-                    "input_ids",
-                    f"input_ids is {ids.dtype}; token ids are integers",
-                    "input_ids.long()",
-                )
-            )
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if vocab is not None and ids.numel() and not ids.is_floating_point():
-            hi = int(ids.max())
-            if hi >= vocab or int(ids.min()) < 0:
-                issues.append(
-                    Issue(
-                        "shape",
-                        "input_ids",
-                        f"ids range over [{int(ids.min())}, {hi}] but vocab_size is {vocab}",
-                        "use the tokenizer that belongs to this model",
-                    )
-                )
-    am = inputs.get("attention_mask")
-    if isinstance(am, Tensor):
-        if isinstance(ids, Tensor) and ids.dim() == 2 and tuple(am.shape) != tuple(ids.shape):
-            issues.append(
-                Issue(
-                    "shape",
-                    "attention_mask",
-                    f"attention_mask has shape {tuple(am.shape)}, input_ids {tuple(ids.shape)}",
-                    "build both with the same tokenizer call (padding=True), or pass "
-                    "attention_mask of shape (batch, seq_len) with 1 = token, 0 = padding",
-                )
-            )
-        if am.is_floating_point():
-            vals = torch.unique(am.detach()).tolist()
-            if any(v not in (0.0, 1.0) for v in vals):
-                shown = [round(v, 3) if math.isfinite(v) else v for v in vals[:4]]
-                issues.append(
-                    Issue(
-                        "mask",
-                        "attention_mask",
-                        f"attention_mask holds {shown}: an additive float mask (0 = keep, "
-                        "-inf/-1e4 = drop), but attention_mask means 1 = token, 0 = padding",
-                        "pass (mask == 0).long() as attention_mask, or the additive mask as attn_mask",
-                    )
-                )
-        if am.dim() == 2 and am.numel():
-            blank = (am == 0).all(dim=-1) if not am.is_floating_point() else (am == 0).all(-1)
-            for b in blank.nonzero().flatten().tolist():
-                issues.append(
-                    Issue(
-                        "fully_masked",
-                        f"attention_mask[{b}]",
-                        f"sequence {b} has attention_mask all 0: every query of it has no key "
-                        "to attend to (attnlab returns zeros there; torch sdpa returns NaN)",
-                        "every sequence needs at least one real token marked 1; check the "
-                        "padding side and the tokenizer call",
-                    )
-                )
-    for key in ("attn_mask", "mask"):
-        m = inputs.get(key)
-        if isinstance(m, Tensor):
-            issues += _check_attn_mask(m, key)
-    return issues
-
-
-def _check_attn_mask(mask: Tensor, where: str) -> list[Issue]:
-    issues: list[Issue] = []
-    if mask.is_floating_point():
-        vals = torch.unique(mask.detach())
-        if vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()):
-            issues.append(
-                Issue(
-                    "mask",
-                    where,
-                    f"{where} is a {mask.dtype} mask of 0 and 1: a float mask is ADDED to the "
-                    "scores, so the 0 entries are not masked at all (they score 1 lower)",
-                    f"pass {where}.bool() (True = attend), or an additive mask "
-                    f"{where}.log() (0 = keep, -inf = drop)",
-                )
-            )
-    elif mask.dtype == torch.bool and mask.dim() >= 1 and mask.numel():
-        blank = ~mask.any(dim=-1)
-        n = int(blank.sum())
-        if n:
-            issues.append(
-                Issue(
-                    "fully_masked",
-                    where,
-                    f"{n} row(s) of {where} allow no key at all",
-                    "give every query at least one key (for instance itself); fully masked "
-                    "rows return zeros in attnlab and NaN in torch sdpa",
-                )
-            )
-    return issues
 
 
 # --------------------------------------------------------------------------- diagnose
@@ -499,7 +243,7 @@ def _mask_hooks(model: nn.Module, issues: list[Issue]) -> list[Any]:
                 m = kwargs.get("attn_mask")
                 if isinstance(m, Tensor) and name not in seen:
                     seen.add(name)
-                    for issue in _check_attn_mask(m, f"{name or '<model>'} attn_mask"):
+                    for issue in check_attn_mask(m, f"{name or '<model>'} attn_mask"):
                         if not any(i.message == issue.message for i in issues):
                             issues.append(issue)
 
@@ -545,7 +289,7 @@ def diagnose(
         raise TypeError(
             f"inputs must be a mapping of forward arguments or a tensor, got {type(inputs).__name__}"
         )
-    issues = _check_inputs(model, kwargs)
+    issues = check_inputs(model, kwargs)
     bad_params = {
         name: int((~torch.isfinite(p.detach())).sum())
         for name, p in model.named_parameters()

@@ -27,16 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._validate import check_int
 from attnlab.cache.base import KVCache, Start, check_rows, tensor_nbytes
 from attnlab.functional.positions import apply_rope, rope_angles
 
 __all__ = ["SinkKVCache"]
-
-
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class SinkKVCache(KVCache):
@@ -59,8 +54,8 @@ class SinkKVCache(KVCache):
 
     def __init__(self, *, window: int, sinks: int = 4, rotary: nn.Module | None = None) -> None:
         super().__init__()
-        self.window = _check_count("window", window, 1)
-        self.sinks = _check_count("sinks", sinks, 0)
+        self.window = check_int("window", window, min_value=1)
+        self.sinks = check_int("sinks", sinks, min_value=0)
         if rotary is not None and getattr(rotary, "rope_type", "default") == "dynamic":
             raise ValueError(
                 "a sink cache shifts the sinks' RoPE angles by a constant; dynamic NTK "

@@ -82,7 +82,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="compile the model's decode step with torch.compile over a static cache "
         "(decoder-only models; the first tokens wait for the compile)",
     )
+    p.add_argument(
+        "--sink-window",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="decode through an attention-sink cache (StreamingLLM, Xiao et al., 2023): the "
+        "first --sinks tokens and the newest W, positions within the cache, so the text can "
+        "run past the model's context at a fixed memory (decoders with RoPE, ALiBi or no "
+        "positions)",
+    )
+    p.add_argument(
+        "--sinks",
+        type=nonnegative_int,
+        default=None,
+        help="with --sink-window: first tokens kept for ever (default 4; 0 = a plain window)",
+    )
     p.set_defaults(func=run)
+
+
+def _sink_cache(args: argparse.Namespace, model: Any) -> Any:
+    """The ``--sink-window`` cache, or None; refuses what a sink cache cannot honour."""
+    if args.sink_window is None:
+        if args.sinks is not None:
+            raise ValueError("--sinks applies to a sink cache only: add --sink-window W")
+        return None
+    if args.compile:
+        raise ValueError(
+            "--sink-window decodes eagerly (its sinks move every step): drop --compile"
+        )
+    if getattr(model, "is_encoder_decoder", False):
+        raise ValueError(
+            f"--sink-window streams a decoder-only model; {type(model).__name__} is an "
+            "encoder-decoder"
+        )
+    from attnlab.generation import sink_cache
+
+    sinks = 4 if args.sinks is None else args.sinks
+    return sink_cache(model, window=args.sink_window, sinks=sinks)
 
 
 class _Bytes:
@@ -169,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             f"--compile compiles a decoder-only model's decode step; "
             f"{type(model).__name__} is an encoder-decoder: drop --compile"
         )
+    cache = _sink_cache(args, model)
     vocab = model.config.vocab_size
     if max(prompt) >= vocab:
         raise ValueError(
@@ -203,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         eos_token_id=eos,
         generator=generator,
         compile=args.compile,
+        cache=cache,
     ):
         new.append(int(tok[0]))
         if tokenizer is None:

@@ -83,6 +83,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument(
+        "--sink-window",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="refused: the paged engine cannot honour an attention-sink cache (use "
+        "`attnlab generate --sink-window W`)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object on stdout once listening: url, model, KV blocks",
@@ -134,7 +142,21 @@ def _embeddings(args: argparse.Namespace) -> tuple[Any, bool]:
     return load_embeddings(folder, model_name=name), only
 
 
+#: Why ``--sink-window`` is refused (docs/serving.md repeats it).
+SINK_REFUSAL = (
+    "--sink-window: the paged engine cannot honour a sink cache. StreamingLLM gives the "
+    "kept tokens their positions within the cache, so every step re-rotates each "
+    "sequence's sink keys by the number of tokens it has evicted, while the paged blocks "
+    "hold keys rotated once at their absolute positions and shared between sequences "
+    "(prefix caching); keeping the sinks at absolute positions instead would change what "
+    "the model computes past its context. Stream one text with `attnlab generate "
+    "--sink-window W` or attnlab.generation.sink_cache"
+)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.sink_window is not None:
+        raise ValueError(SINK_REFUSAL)
     try:
         import uvicorn
 

@@ -23,6 +23,7 @@ EXPERIMENTS: dict[str, str] = {
     "induction": "attnlab.experiments.induction",
     "sinks": "attnlab.experiments.sinks",
     "induction-real": "attnlab.experiments.induction_real",
+    "context": "attnlab.experiments.context",
     "kv-quant": "attnlab.experiments.kv_quant",
 }
 

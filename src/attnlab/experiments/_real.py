@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._validate import check_int
+
 __all__ = ["doc_tokens", "load_smollm2", "next_token_nll", "stream_nll"]
 
 
@@ -38,21 +40,30 @@ def load_smollm2() -> Any:
     return attnlab.from_gguf(path)
 
 
+def _doc_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@functools.lru_cache(maxsize=4)
+def _doc_ids(tokenizer: Any) -> tuple[int, ...]:
+    # the whole text once per tokenizer (a few seconds), then every call slices it
+    return tuple(tokenizer(_doc_text(), add_special_tokens=False)["input_ids"])
+
+
 def doc_tokens(tokenizer: Any, count: int, *, offset: int = 0) -> Tensor:
     """``count`` tokens of Python's documentation (``pydoc_data.topics``), long ``[1, count]``.
+
+    The text is tokenized whole, once per tokenizer, and sliced at ``offset``.
 
     Raises:
         ValueError: fewer tokens exist than ``offset + count``.
     """
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    # tokenising 700 KB takes a few seconds: stop once there are enough characters
+    count = check_int("count", count, min_value=1)
+    offset = check_int("offset", offset, min_value=0)
+    ids = _doc_ids(tokenizer)
     need = offset + count
-    chars = min(len(text), need * 8)
-    ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
-    if len(ids) < need:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < need:
         raise ValueError(f"pydoc_data.topics holds {len(ids)} tokens, asked for {need}")
     return torch.tensor(ids[offset:need], dtype=torch.long)[None]

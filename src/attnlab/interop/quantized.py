@@ -102,8 +102,10 @@ def load_quantized(folder: str | Path) -> nn.Module:
         raise ModelFileError(f"{path}: format {record.get('format')!r}, expected {_FORMAT!r}")
     try:
         model = DecoderLM(DecoderConfig.from_dict(record["config"]))
+        placed = _place_experts(model, record["layers"])
         for name, rec in record["layers"].items():
-            _place(model, name, rec)
+            if name not in placed:
+                _place(model, name, rec)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFileError(f"{path}: the record does not describe a model: {e}") from None
     state = load_safetensors_dir(src)
@@ -120,10 +122,40 @@ def load_quantized(folder: str | Path) -> nn.Module:
     return model.eval()
 
 
+def _empty_layer(rec: dict[str, Any]) -> Any:
+    spec = LinearSpec(rec["weights"], rec["group_size"])
+    return make_linear(rec["in_features"], rec["out_features"], bias=rec["bias"], spec=spec)
+
+
+def _place_experts(model: nn.Module, layers: dict[str, Any]) -> set[str]:
+    """Empty :class:`QuantExperts` where the record has ``{experts}.w_in.{e}`` layers;
+    returns the layer names placed so."""
+    from attnlab.modules.experts import Experts
+    from attnlab.modules.quant_experts import QuantExperts
+
+    placed: set[str] = set()
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, Experts) or f"{name}.w_in.0" not in layers:
+            continue
+        names = {
+            part: [f"{name}.{part}.{e}" for e in range(mod.num_experts)]
+            for part in ("w_in", "w_out")
+        }
+        quant = QuantExperts(
+            w_in=[_empty_layer(layers[n]) for n in names["w_in"]],
+            w_out=[_empty_layer(layers[n]) for n in names["w_out"]],
+            activation=mod.activation_name,
+            gated=mod.gated,
+        )
+        parent_path, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, quant)
+        placed |= set(names["w_in"]) | set(names["w_out"])
+    return placed
+
+
 def _place(model: nn.Module, name: str, rec: dict[str, Any]) -> None:
     """An empty layer of the recorded kind where ``name`` is (an embedding's table too)."""
-    spec = LinearSpec(rec["weights"], rec["group_size"])
-    layer = make_linear(rec["in_features"], rec["out_features"], bias=rec["bias"], spec=spec)
+    layer = _empty_layer(rec)
     parent_path, _, child = name.rpartition(".")
     if child == "table" and parent_path == "embed_tokens":
         model.embed_tokens = QuantEmbedding(table=layer)  # type: ignore[assignment]

@@ -15,22 +15,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from attnlab.interop.hf import Converter, register_converter, require_transformers
+from attnlab.interop.hybrid import special_tokens
 from attnlab.models.recurrent import RWKVLM, MambaLM
 from attnlab.models.recurrent_config import MambaConfig, RWKVConfig
 
 __all__ = ["MAMBA", "MAMBA2", "RWKV"]
-
-
-def _first(tok: Any) -> int | None:
-    return tok[0] if isinstance(tok, list) and tok else tok
-
-
-def _ids(cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        tok = _first(cfg.get(name))
-        out[name] = tok if tok is not None and 0 <= tok < vocab else None
-    return out
 
 
 def _stack_map(model: nn.Module, theirs: dict[str, str]) -> dict[str, str]:
@@ -70,7 +59,7 @@ def mamba_config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> MambaCo
         use_bias=bool(cfg.get("use_bias", False)),
         norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", version == 1)),
-        **_ids(cfg, cfg["vocab_size"]),
+        **special_tokens(cfg),
     )
     if version == 1:
         return MambaConfig(dt_rank=math.ceil(h / 16) if rank == "auto" else int(rank), **common)
@@ -189,7 +178,7 @@ def rwkv_config_from_hf(cfg: dict[str, Any], weight_names: set[str]) -> RWKVConf
         intermediate_size=cfg.get("intermediate_size"),
         layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        **_ids(cfg, cfg["vocab_size"]),
+        **special_tokens(cfg),
     )
 
 

@@ -41,6 +41,7 @@ from attnlab.models.decoder_attention import (
     attention_call,
     attention_pattern,
     attention_plans,
+    explain,
     first_kv,
 )
 from attnlab.models.decoder_build import build_decoder_layer, build_feed_forward, build_moe
@@ -456,20 +457,7 @@ class DecoderLM(CausalLMShell):
         window: the layers, their window and pattern, and the registry's
         :class:`~attnlab.backends.call.Explanation` of the backend they run
         (``str()`` of an entry prints it). Runs no layer."""
-        b, n = input_ids.shape
-        x = self._float_param().new_empty((b, n, self.config.hidden_size))  # shape and dtype
-        mask = self._check_mask(attention_mask, b, n)
-        q_slots = torch.arange(n, device=x.device)[None]
-        plans = attention_plans(self, x, 0, mask, q_slots, q_slots, None, False, None, None)
-        out = []
-        for window, plan in plans.items():
-            layers = tuple(i for i, w in enumerate(self.layer_windows) if w == window)
-            pattern = plan.pattern
-            shown = (
-                "causal (is_causal)" if pattern is None and plan.call.is_causal else repr(pattern)
-            )
-            out.append(AttentionGroup(layers, window, shown, choose_call(plan.call, self.backend)))
-        return out
+        return explain(self, input_ids, attention_mask)
 
     def _embed_extras(self, x: Tensor, positions: Tensor) -> Tensor:
         """What follows the token embedding: Gemma's scale, absolute positions, the

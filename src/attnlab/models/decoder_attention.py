@@ -18,15 +18,16 @@ from torch import Tensor
 
 from attnlab.backends.call import AttentionCall
 from attnlab.backends.plan import AttentionPlan, make_plan
+from attnlab.backends.select import choose_call
 from attnlab.cache.base import KVCache, ModelCache, Start
 from attnlab.cache.kv_cache import DynamicKVCache
 from attnlab.functional.masks import MaskPattern
-from attnlab.models.decoder_parts import layer_pattern
+from attnlab.models.decoder_parts import AttentionGroup, layer_pattern
 
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
 
-__all__ = ["attention_call", "attention_pattern", "attention_plans", "first_kv"]
+__all__ = ["attention_call", "attention_pattern", "attention_plans", "explain", "first_kv"]
 
 
 def first_kv(
@@ -146,3 +147,22 @@ def attention_call(
         positions=pattern is not None,
         block_size=getattr(first, "block_size", 0) if pattern is not None else 0,
     )
+
+
+def explain(
+    model: DecoderLM, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> list[AttentionGroup]:
+    """:meth:`DecoderLM.explain_attention`: one entry per distinct window of an uncached
+    forward of ``input_ids`` (its layers, window, pattern and the registry's choice)."""
+    b, n = input_ids.shape
+    x = model._float_param().new_empty((b, n, model.config.hidden_size))  # shape and dtype
+    mask = model._check_mask(attention_mask, b, n)
+    q_slots = torch.arange(n, device=x.device)[None]
+    plans = attention_plans(model, x, 0, mask, q_slots, q_slots, None, False, None, None)
+    out = []
+    for window, plan in plans.items():
+        layers = tuple(i for i, w in enumerate(model.layer_windows) if w == window)
+        pattern = plan.pattern
+        shown = "causal (is_causal)" if pattern is None and plan.call.is_causal else repr(pattern)
+        out.append(AttentionGroup(layers, window, shown, choose_call(plan.call, model.backend)))
+    return out

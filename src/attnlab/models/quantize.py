@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from attnlab.backends.qmatmul import LinearChoice, choose_kernel
+from attnlab.modules.experts import Experts
 from attnlab.modules.linear import LinearSpec, convert_linear
+from attnlab.modules.quant_experts import QuantExperts
 from attnlab.modules.quant_linear import QuantEmbedding, QuantLinear
 
 __all__ = ["kernel_report", "quantize_model", "quantized_layers"]
@@ -30,7 +32,11 @@ def _fits(spec: LinearSpec, in_features: int) -> bool:
 
 
 def quantize_model(
-    model: nn.Module, quantize: LinearSpec | str, *, embeddings: bool = True
+    model: nn.Module,
+    quantize: LinearSpec | str,
+    *,
+    embeddings: bool = True,
+    experts: bool = True,
 ) -> nn.Module:
     """Quantize ``model``'s linear layers in place (weight-only) and return it.
 
@@ -39,6 +45,8 @@ def quantize_model(
         quantize: ``"int8"``, ``"int8:g32"``, ``"int4"`` (groups of 32), ``"int4:g64"``...
             or a :class:`LinearSpec`.
         embeddings: also quantize ``embed_tokens`` (the LM head too when tied).
+        experts: also quantize MoE experts (:class:`~attnlab.modules.quant_experts.QuantExperts`,
+            one quantized layer per expert matrix); routers stay float.
 
     Returns:
         ``model``, with ``model.quantization`` = ``{"weights", "group_size",
@@ -54,8 +62,14 @@ def quantize_model(
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, QuantLinear):
+            if isinstance(child, QuantLinear | QuantExperts):
                 continue  # already quantized (a GGUF file's blocks): never rounded twice
+            if isinstance(child, Experts) and experts:
+                if _fits(spec, child.embed_dim) and _fits(spec, child.hidden_dim):
+                    setattr(module, child_name, QuantExperts.from_float(child, spec))
+                else:
+                    kept.append(full)
+                continue
             if isinstance(child, nn.Linear):
                 if not _fits(spec, child.in_features):
                     kept.append(full)
