@@ -89,11 +89,12 @@ class _Shape:
     extra_params: int  # embeddings, final norm, head
 
 
-def _shape(c: RecurrentConfig, seq_len: int) -> _Shape:
+def _shape(c: RecurrentConfig, seq_len: int, batch_size: int = 1) -> _Shape:
     d, v = c.hidden_size, c.vocab_size
     head = 0 if c.tie_word_embeddings else v * d
     if isinstance(c, MambaConfig):
         e, n, k = c.intermediate_size, c.state_size, c.conv_kernel
+        blk = max(1, min(64, 2**17 // max(1, batch_size * e * n)))  # as SelectiveScanFn
         conv_b = e if c.use_conv_bias else 0
         bias = (2 * e + d) if c.use_bias else 0
         t = min(c.chunk_size, max(seq_len, 1))
@@ -111,7 +112,9 @@ def _shape(c: RecurrentConfig, seq_len: int) -> _Shape:
                 # chunked scan: two passes of decay, product, input, (read) per (channel, state)
                 layer_elementwise=10 * e * n + 12 * e,
                 layer_state=e * (k - 1) + e * n,
-                layer_saved=3.3 * e * n + 14 * e,  # decays, both passes' states
+                # the reverse-scan backward (functional/ssm_backward.py) keeps delta, delta u,
+                # B, C and the state entering each block of blk tokens; the rest is the module's
+                layer_saved=14 * e + 2 * n + e * n * -(-seq_len // blk) / max(1, seq_len),
                 extra_params=v * d + d + head,
             )
         assert c.num_heads is not None
@@ -291,7 +294,7 @@ def estimate_recurrent(
         )
     dname, nb = _bytes_per(dtype)
     n = c.num_hidden_layers
-    sh = _shape(c, seq_len)
+    sh = _shape(c, seq_len, batch_size)
     params = n * sh.layer_params + sh.extra_params
     head = 2 * c.hidden_size * c.vocab_size
     tokens = batch_size * (1 if mode == "decode" else seq_len)
