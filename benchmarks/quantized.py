@@ -42,7 +42,17 @@ import torch
 
 import attnlab
 from attnlab.models.quantize import kernel_report, quantize_model
-from llamacpp import PEERS, LlamaCpp, PeerModel, build_llamacpp, cpu_flags, smollm2_file
+from llamacpp import (
+    PEERS,
+    LlamaCpp,
+    PeerModel,
+    bandwidth_gbs,
+    build_llamacpp,
+    chat_ids,
+    cpu_flags,
+    smollm2_file,
+    weight_bytes,
+)
 
 
 class WithKV:
@@ -97,30 +107,6 @@ def prefill_seconds(m: Any, ids: list[int]) -> float:
     with torch.no_grad():
         m(torch.tensor([ids]), logits_to_keep=1)
     return time.perf_counter() - t0
-
-
-def bandwidth_gbs() -> float:
-    """Copy bandwidth of a 256 MiB buffer (read + write), GB/s: the floor's denominator."""
-    a = torch.empty(64 * 2**20)
-    b = torch.empty_like(a)
-    best = math.inf
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best / 1e9
-
-
-def weight_bytes(m: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter and buffer once (the tied table once)."""
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}
-    return sum(seen.values())
-
-
-def chat_ids(tok: Any, text: str) -> list[int]:
-    chat = [{"role": "user", "content": text}]
-    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
 
 def main() -> None:
