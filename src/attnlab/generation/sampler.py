@@ -246,7 +246,12 @@ def sample(
     if len(rows) != b:
         raise ValueError(f"sample: {b} rows of logits but {len(rows)} row settings")
     want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
-    x = logits.float().clone()
+    x = logits.float()
+    writes = any(r.settings.logit_bias or r.banned for r in rows) or (
+        bitmask is not None and any(r.bitmask_row is not None for r in rows)
+    )
+    if writes and x is logits:  # masks and bans write in place: never into the caller's
+        x = x.clone()
     if bitmask is not None:
         masked = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
         if masked:
