@@ -183,6 +183,9 @@ def test_the_callers_logits_are_never_written() -> None:
     before = logits.clone()
     plain = [RowSampling(SamplingSettings(temperature=0)) for _ in range(3)]
     assert sample(logits, plain).tokens == logits.argmax(-1).tolist()
+    ties = torch.zeros(3, V)
+    ties[:, [7, 30]] = 1.0  # a greedy tie goes to the first maximum, as argmax
+    assert sample(ties, plain).tokens == [7, 7, 7]
     top = int(logits[1].argmax())
     rows = [
         RowSampling(SamplingSettings(temperature=0, logit_bias={3: 50.0})),

@@ -260,7 +260,10 @@ def sample(
             x[masked] = x[masked].masked_fill(~allowed, float("-inf"))
     _bias_and_ban(x, rows)
     x = _penalise(x, rows)
-    top = x.amax(dim=-1)  # [B]; NaN and +inf propagate, an all -inf row stays -inf
+    # [B] each; NaN and +inf propagate, an all -inf row stays -inf; the indices are the
+    # greedy rows' tokens (the first maximum, as argmax; one pass, where amax then argmax
+    # read the logits twice, and CPU argmax is several times slower than max)
+    top, tokens = x.max(dim=-1)
     bad = (~torch.isfinite(top)).tolist()
     failed = {
         i: (
@@ -271,7 +274,6 @@ def sample(
         for i, (v, is_bad) in enumerate(zip(top.tolist(), bad, strict=True))
         if is_bad
     }
-    tokens = x.argmax(dim=-1)  # [B]; the greedy rows' tokens
     sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
     if sampled:
         tokens[sampled] = _draw(x, rows, sampled, generator)
