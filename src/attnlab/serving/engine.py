@@ -67,8 +67,8 @@ def _check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
         return None
     if kv_dtype not in PAGED_KV_DTYPES:
         raise ValueError(
-            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (the paged pool "
-            f"quantizes per token), got {kv_dtype!r}"
+            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (keys per token, "
+            f"or per channel in each block), got {kv_dtype!r}"
         )
     if "kv" not in specs:
         raise ValueError(f"kv_dtype={kv_dtype!r}: this model has no attention layers to cache")
@@ -97,9 +97,10 @@ class Engine:
             ``max_position_embeddings``.
         prefix_caching: reuse cached prompt blocks.
         kv_cache_bytes: memory cap of the default pool size.
-        kv_dtype: None or ``"float"`` (the model's dtype), or ``"int8"``/``"int4"``: the
-            pool stores keys and values quantized per token (more blocks fit in
-            ``kv_cache_bytes``; :mod:`attnlab.cache.paged.storage`).
+        kv_dtype: None or ``"float"`` (the model's dtype), ``"int8"``/``"int4"`` (the
+            pool stores keys and values quantized per token) or ``"int8-channel"``/
+            ``"int4-channel"`` (keys per channel over each block, KIVI's layout); more
+            blocks fit in ``kv_cache_bytes`` (:mod:`attnlab.cache.paged.storage`).
 
     Raises:
         TypeError: a model that is not an attnlab decoder.
