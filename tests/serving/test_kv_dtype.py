@@ -64,7 +64,9 @@ def test_refusals(tokenizer: Any, capsys: pytest.CaptureFixture[str]) -> None:
     torch.manual_seed(0)
     config = DecoderConfig.llama(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)  # fmt: skip
     model = DecoderLM(config).eval()
-    with pytest.raises(ValueError, match=r"kv_dtype must be 'float' or one of \['int8', 'int4', 'int8-channel'"):
+    with pytest.raises(
+        ValueError, match=r"kv_dtype must be 'float' or one of \['int8', 'int4', 'int8-channel'"
+    ):
         Engine(model, tokenizer, kv_dtype="int2")
     assert Engine(model, tokenizer, num_blocks=4, kv_dtype="float").pool.storage.kv_dtype is None
     mamba = MambaLM(MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1)).eval()
