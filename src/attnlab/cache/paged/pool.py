@@ -252,7 +252,7 @@ class PagedKVPool:
     def free(self, seq_id: SeqId) -> None:
         """See :meth:`KVManager.free`."""
         s = self.manager.seqs.get(seq_id)
-        blocks = [] if s is None else list(s.blocks)
+        blocks = [] if s is None else list(s.blocks[s.first_live :])  # the ones it holds
         self.manager.free(seq_id)
         # per-channel quantized keys: a block freed while filling drops its float copy
         self.storage.drop_partial(b for b in blocks if self.allocator.refcount(b) == 0)
