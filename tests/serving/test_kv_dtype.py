@@ -69,6 +69,9 @@ def test_refusals(tokenizer: Any, capsys: pytest.CaptureFixture[str]) -> None:
     ):
         Engine(model, tokenizer, kv_dtype="int2")
     assert Engine(model, tokenizer, num_blocks=4, kv_dtype="float").pool.storage.kv_dtype is None
+    with pytest.raises(ValueError, match="re-rounded when rejected drafts are rewritten"):
+        Engine(model, tokenizer, num_blocks=4, kv_dtype="int4-channel", speculative="prompt_lookup")
+    assert Engine(model, tokenizer, num_blocks=4, kv_dtype="int4", speculative="prompt_lookup")
     mamba = MambaLM(MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1)).eval()
     with pytest.raises(ValueError, match="no attention layers"):
         Engine(mamba, tokenizer, max_model_len=64, kv_dtype="int8")
