@@ -152,20 +152,11 @@ class Engine:
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_waiting = max_waiting
         specs = layer_specs(model)
-        kv_dtype = check_kv_dtype(kv_dtype, specs)
+        kv_dtype = check_kv_dtype(kv_dtype, specs, speculative)
         #: the speculative settings, or None
         self.speculative = check_speculative(
             speculative, num_speculative_tokens, speculative_max_ngram, specs
         )
-        if self.speculative is not None and kv_dtype is not None and kv_dtype.endswith("-channel"):
-            # rejected drafts rewrite slots of a block that may already be quantized per
-            # channel: the block's keys would be rounded again and differ from plain decoding
-            raise ValueError(
-                f"speculative={speculative!r} with kv_dtype={kv_dtype!r}: keys quantized per "
-                "channel over a block would be re-rounded when rejected drafts are rewritten, "
-                "so the output would differ from plain decoding; use kv_dtype 'int8'/'int4' "
-                "(per token) or no speculative decoding"
-            )
         #: why prefix caching is off although it was asked for, or None
         self.prefix_caching_refused: str | None = None
         if prefix_caching and "state" in specs:

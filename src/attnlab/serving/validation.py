@@ -73,11 +73,16 @@ def validate_request(
         )
 
 
-def check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
+def check_kv_dtype(
+    kv_dtype: str | None, specs: list[str], speculative: str | None = None
+) -> str | None:
     """The paged pool's ``kv_dtype`` (None for the model's dtype), checked.
 
     Raises:
-        ValueError: an unknown name, or a model without attention layers.
+        ValueError: an unknown name, a model without attention layers, or keys per
+            channel with speculative decoding (rejected drafts rewrite slots of a block
+            that may already be quantized: its keys would be rounded again and the output
+            would differ from plain decoding).
     """
     from attnlab.cache.paged.storage import PAGED_KV_DTYPES
 
@@ -90,6 +95,13 @@ def check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
         )
     if "kv" not in specs:
         raise ValueError(f"kv_dtype={kv_dtype!r}: this model has no attention layers to cache")
+    if speculative is not None and kv_dtype.endswith("-channel"):
+        raise ValueError(
+            f"speculative={speculative!r} with kv_dtype={kv_dtype!r}: keys quantized per "
+            "channel over a block would be re-rounded when rejected drafts are rewritten, so "
+            "the output would differ from plain decoding; use kv_dtype 'int8'/'int4' (per "
+            "token) or no speculative decoding"
+        )
     return kv_dtype
 
 
