@@ -84,7 +84,7 @@ class Engine:
         max_waiting: the most queued requests; beyond it :meth:`add_request` raises
             :class:`QueueFull`.
         max_model_len: context length (prompt + output); default the model's
-            ``max_position_embeddings``.
+            ``max_position_embeddings`` (a recurrent model has none: give it).
         prefix_caching: reuse cached prompt blocks.
         kv_cache_bytes: memory cap of the default pool size.
         kv_dtype: None or ``"float"`` (the model's dtype), ``"int8"``/``"int4"`` (the
