@@ -142,6 +142,42 @@ def test_tokenizer_round_trip(tmp_path: Path) -> None:
     assert len(read_gguf(path).metadata["tokenizer.ggml.tokens"]) == 320
 
 
+#: what llama.cpp's loader reads before it builds a Llama (llama-model.cpp, llama-vocab.cpp)
+LLAMACPP_KEYS = {
+    "general.architecture": "llama",
+    "general.file_type": 7,  # LLAMA_FTYPE_MOSTLY_Q8_0
+    "general.quantization_version": 2,
+    "llama.block_count": 2,
+    "llama.context_length": 256,
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 128,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.rope.dimension_count": 16,
+    "tokenizer.ggml.model": "gpt2",
+    # llama.cpp refuses an unknown pre-tokenizer name: GPT-2's split is "gpt-2" there
+    # ("gpt2" made it refuse the Q8_0 file of issue 23)
+    "tokenizer.ggml.pre": "gpt-2",
+}
+
+
+def test_q8_0_file_holds_what_llama_cpp_reads(tmp_path: Path) -> None:
+    tok = _bpe_tokenizer()
+    path = attnlab.to_gguf(_llama(vocab=320), tmp_path / "q8.gguf", dtype="q8_0", tokenizer=tok)
+    ref = gguf.GGUFReader(path)
+    for key, want in LLAMACPP_KEYS.items():
+        assert key in ref.fields, key
+        assert ref.fields[key].contents() == want, key
+    eps = ref.fields["llama.attention.layer_norm_rms_epsilon"].contents()
+    assert eps == pytest.approx(1e-5)
+    assert len(ref.fields["tokenizer.ggml.tokens"].contents()) == 320
+    assert len(ref.fields["tokenizer.ggml.token_type"].contents()) == 320
+    assert ref.fields["tokenizer.ggml.merges"].contents()
+    kinds = {t.name: t.tensor_type.name for t in ref.tensors}
+    assert kinds["blk.0.attn_q.weight"] == kinds["token_embd.weight"] == "Q8_0"
+    assert kinds["blk.0.attn_norm.weight"] == "F32"
+
+
 def test_bad_files_are_named(tmp_path: Path) -> None:
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ModelFileError, match="does not exist"):

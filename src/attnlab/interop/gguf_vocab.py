@@ -3,7 +3,9 @@
 GGUF stores a tokenizer as its vocabulary in id order (``tokenizer.ggml.tokens``), a
 type per token (1 normal, 3 control, 4 user-defined, 5 unused), the merges as
 ``"a b"`` strings, the special token ids, the chat template, and ``tokenizer.ggml.pre``,
-the name of the pre-tokenizer split llama.cpp and transformers apply. Only byte-level
+the name of the pre-tokenizer split llama.cpp and transformers apply (llama.cpp refuses a
+file whose name it does not know: ``"gpt-2"`` for GPT-2's split, ``"smollm"``, ``"default"``,
+or one of the names transformers and llama.cpp share for a split regex). Only byte-level
 BPE (``tokenizer.ggml.model = "gpt2"``: GPT-2, Llama 3, SmolLM, Qwen2 ...) is written.
 """
 
@@ -22,7 +24,8 @@ def _pre_name(pre: dict[str, Any] | None) -> str:
     if not pre:
         return "default"
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (llama-vocab.cpp); "gpt2" is the model name
+        # and an unknown pre-tokenizer: llama.cpp refuses to load such a file
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     kinds = [p.get("type") for p in parts]
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
