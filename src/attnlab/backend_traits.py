@@ -172,6 +172,27 @@ TRAITS["paged"] = BackendTraits(
     skips="causal",
 )
 
+# The same read done by a C++ kernel in place (backends/paged_kernel.py, backends/native.py).
+TRAITS["paged_kernel"] = BackendTraits(
+    name="paged_kernel",
+    accepts_patterns=True,
+    accepts_positions=True,
+    reads_blocks=True,
+    priority=12,
+    description="reads each row's keys/values in place through its block table (C++ kernel)",
+    refuses=(
+        "contiguous keys",
+        "dropout",
+        "weights",
+        "gradients",
+        "score modifiers",
+        "patterns other than causal and sliding windows",
+        "dtypes other than float32",
+        "devices other than the CPU",
+    ),
+    skips="causal",
+)
+
 
 @dataclass(frozen=True)
 class PagedCost:

@@ -13,6 +13,7 @@ memo store), :mod:`.select` (``auto``'s choice and ``explain``), :mod:`.dispatch
 from attnlab.backends import flex as _flex  # noqa: F401  (registers)
 from attnlab.backends import linear as _linear  # noqa: F401  (registers)
 from attnlab.backends import paged as _paged  # noqa: F401  (registers)
+from attnlab.backends import paged_kernel as _paged_kernel  # noqa: F401  (registers)
 from attnlab.backends import reference as _reference  # noqa: F401  (registers)
 from attnlab.backends import sdpa as _sdpa  # noqa: F401  (registers)
 from attnlab.backends import sparse as _sparse  # noqa: F401  (registers)

@@ -69,10 +69,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=["float", "int8", "int4"],
+        choices=["float", "int8", "int4", "int8-channel", "int4-channel"],
         default="float",
-        help="how the paged pool stores keys and values: the model's dtype (default), or "
-        "int8/int4 quantized per token (dequantized when a step gathers them)",
+        help="how the paged pool stores keys and values: the model's dtype (default), "
+        "int8/int4 quantized per token, or int8-channel/int4-channel with keys quantized "
+        "per channel over each block as KIVI does (a block's keys stay float while it "
+        "fills); dequantized when a step gathers them",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["prompt_lookup"],
+        default=None,
+        help="speculative decoding: each decoding request drafts tokens from its own "
+        "context's n-grams, verified in the same forward (same output, fewer steps when "
+        "the output repeats the prompt); refused for recurrent models",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        help="drafts per request and step with --speculative (default 4)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="context length (prompt + output); default the model's "
+        "max_position_embeddings (needed for a recurrent model, which has none)",
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
@@ -210,6 +233,9 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_dtype=args.kv_dtype,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
@@ -223,6 +249,10 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
     info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
     info["kv_dtype"] = kv
+    if engine.speculative is not None:
+        spec = engine.speculative
+        banner += f", speculative {spec.method} of {spec.num_tokens} tokens"
+        info["speculative"] = {"method": spec.method, "num_tokens": spec.num_tokens}
     if embeddings is not None:
         banner += f", embeddings of {embeddings.model_name}"
         info["embeddings"] = embeddings.model_name

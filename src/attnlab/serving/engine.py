@@ -16,20 +16,17 @@ Requests join and leave at every step (iteration-level scheduling, Yu et al., 20
   paged pool and recurrent layers over one state slot per sequence (so every decoder
   attnlab builds is served: attention, Mamba/Mamba-2/RWKV/RetNet, hybrids);
 * the sampler (:func:`~attnlab.serving.step_sampling.sample_step`): one batched call
-  for the sequences whose next token is due, a failure kept to its sequence;
+  for the sequences whose next token is due (and, with speculative decoding, for each
+  drafted position, :mod:`attnlab.serving.speculative`), a failure kept to its sequence;
 * the :class:`~attnlab.serving.output_processor.OutputProcessor`: detokenise, apply the
-  stop rules, and gather each request's news into
-  :class:`~attnlab.serving.outputs.RequestOutput` objects.
+  stop rules, gather each request's news into :class:`~attnlab.serving.outputs.RequestOutput`.
 
-The engine itself keeps the requests' lifecycle: admission checks
+The engine keeps the requests' lifecycle: admission checks
 (:func:`~attnlab.serving.validation.validate_request`), the ``n`` choices forked from
 the prompt's blocks, aborts, and the failure of one request without the others.
-
-Threads: the engine is not thread-safe; one thread calls :meth:`add_request`,
-:meth:`abort` and :meth:`step`. :class:`~attnlab.serving.async_engine.AsyncEngine`
-runs it in a dedicated thread beside the HTTP event loop: the model's matmuls release
-the GIL and use torch's intra-op threads (all cores), while the event loop thread
-wakes only to parse requests and write server-sent events.
+It is not thread-safe: one thread calls :meth:`add_request`, :meth:`abort` and
+:meth:`step`; :class:`~attnlab.serving.async_engine.AsyncEngine` runs it in a thread
+beside the HTTP event loop (the matmuls release the GIL and use all cores).
 """
 
 from __future__ import annotations
@@ -48,31 +45,24 @@ from attnlab._validate import check_int, check_positive_int
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.output_processor import OutputProcessor
-from attnlab.serving.outputs import CompletionDelta, Request, RequestOutput, Seq, TokenLogprob
+from attnlab.serving.outputs import (
+    CompletionDelta,
+    Request,
+    RequestOutput,
+    Seq,
+    TokenLogprob,
+    run_offline,
+)
 from attnlab.serving.params import SamplingParams
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 from attnlab.serving.scheduler import Scheduler
+from attnlab.serving.speculative import GeneratorRewind, accepted_prefix, check_speculative
 from attnlab.serving.step_sampling import sample_step
-from attnlab.serving.validation import validate_request
+from attnlab.serving.validation import check_kv_dtype, default_max_model_len, validate_request
 
 __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput", "TokenLogprob"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
-    from attnlab.cache.paged.storage import PAGED_KV_DTYPES
-
-    if kv_dtype is None or kv_dtype == "float":
-        return None
-    if kv_dtype not in PAGED_KV_DTYPES:
-        raise ValueError(
-            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (the paged pool "
-            f"quantizes per token), got {kv_dtype!r}"
-        )
-    if "kv" not in specs:
-        raise ValueError(f"kv_dtype={kv_dtype!r}: this model has no attention layers to cache")
-    return kv_dtype
 
 
 class QueueFull(RuntimeError):
@@ -94,16 +84,25 @@ class Engine:
         max_waiting: the most queued requests; beyond it :meth:`add_request` raises
             :class:`QueueFull`.
         max_model_len: context length (prompt + output); default the model's
-            ``max_position_embeddings``.
+            ``max_position_embeddings`` (a recurrent model has none: give it).
         prefix_caching: reuse cached prompt blocks.
         kv_cache_bytes: memory cap of the default pool size.
-        kv_dtype: None or ``"float"`` (the model's dtype), or ``"int8"``/``"int4"``: the
-            pool stores keys and values quantized per token (more blocks fit in
-            ``kv_cache_bytes``; :mod:`attnlab.cache.paged.storage`).
+        kv_dtype: None or ``"float"`` (the model's dtype), ``"int8"``/``"int4"`` (the
+            pool stores keys and values quantized per token) or ``"int8-channel"``/
+            ``"int4-channel"`` (keys per channel over each block, KIVI's layout); more
+            blocks fit in ``kv_cache_bytes`` (:mod:`attnlab.cache.paged.storage`).
+        speculative: None, or ``"prompt_lookup"``: each decoding sequence drafts up to
+            ``num_speculative_tokens`` tokens from its context's n-grams (at most
+            ``speculative_max_ngram`` long), verified in the step's forward; the output
+            is what plain decoding gives (:mod:`attnlab.serving.speculative`).
+        num_speculative_tokens: drafts per sequence and step at most.
+        speculative_max_ngram: the longest n-gram prompt lookup matches.
 
     Raises:
         TypeError: a model that is not an attnlab decoder.
-        ValueError: a bad setting, or ``kv_dtype`` for a model without attention layers.
+        ValueError: a bad setting, ``kv_dtype`` for a model without attention layers,
+            ``speculative`` for a model with recurrent layers, or no ``max_model_len``
+            for a model whose config has no context length.
     """
 
     def __init__(
@@ -120,6 +119,9 @@ class Engine:
         prefix_caching: bool = True,
         kv_cache_bytes: int = 1 << 30,
         kv_dtype: str | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        speculative_max_ngram: int = 3,
     ) -> None:
         config = getattr(model, "config", None)
         if (
@@ -144,13 +146,17 @@ class Engine:
             check_positive_int("max_model_len", max_model_len)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        self.max_model_len = max_model_len or default_max_model_len(model)
         self.vocab_size = int(config.vocab_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_waiting = max_waiting
         specs = layer_specs(model)
-        kv_dtype = _check_kv_dtype(kv_dtype, specs)
+        kv_dtype = check_kv_dtype(kv_dtype, specs, speculative)
+        #: the speculative settings, or None
+        self.speculative = check_speculative(
+            speculative, num_speculative_tokens, speculative_max_ngram, specs
+        )
         #: why prefix caching is off although it was asked for, or None
         self.prefix_caching_refused: str | None = None
         if prefix_caching and "state" in specs:
@@ -189,6 +195,7 @@ class Engine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             on_admit=self._admitted,
             on_preempt=self._preempted,
+            drafter=self.speculative.drafter(self.max_model_len) if self.speculative else None,
         )
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -355,28 +362,35 @@ class Engine:
         """
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        rows = scheduled.rows
+        rows, drafts = scheduled.rows, scheduled.drafts
         if not rows:
             return self._collect()
         self.pool.storage.copy_blocks(scheduled.copies)
+        keep = [n if seq.seq_id in drafts else 1 for seq, n in rows] if drafts else None
         try:  # one flat forward of every row's tokens
-            logits = self.runner.run([(seq.seq_id, n) for seq, n in rows]).float()  # [R, V]
+            logits = self.runner.run([(seq.seq_id, n) for seq, n in rows], keep).float()  # [R, V]
         except Exception as e:  # the step's requests fail; the engine goes on
             for seq, _ in rows:
                 self._fail(seq.request, f"the forward failed: {type(e).__name__}: {e}")
             return self._collect()
+        done: list[tuple[int, Seq]] = []
+        first = 0  # the row's first logits
         for seq, n in rows:
+            if seq.seq_id in drafts:  # committed once verified
+                done.append((first, seq))
+                first += n
+                continue
             self.pool.manager.commit(seq.seq_id, n)
-        done = [
-            (r, seq)
-            for r, (seq, _n) in enumerate(rows)
-            if seq.in_pool and self.pool.num_computed(seq.seq_id) == len(seq.tokens)
-        ]
+            if seq.in_pool and self.pool.num_computed(seq.seq_id) == len(seq.tokens):
+                done.append((first, seq))
+            first += 1
+        accepted = self.metrics.spec_accepted_tokens
         if done:
-            self._sample(logits, done)
+            self._sample(logits, done, drafts)
+        rejected = sum(map(len, drafts.values())) - self.metrics.spec_accepted_tokens + accepted
         self.metrics.record_step(
             seconds=time.perf_counter() - t0,
-            tokens=sum(n for _, n in rows),
+            tokens=sum(n for _, n in rows) - rejected,  # the tokens kept in the cache
             used=self.pool.num_used_blocks,
             total=self.pool.num_blocks,
             waste=self.pool.waste(),
@@ -385,48 +399,86 @@ class Engine:
         )
         return self._collect()
 
-    def _sample(self, logits: Tensor, done: list[tuple[int, Seq]]) -> None:
-        pairs: list[tuple[int, Seq]] = []
+    def _fork(self, seq: Seq) -> list[Seq]:
+        """``seq`` and, at a request's first token, its ``n - 1`` forked choices."""
+        req = seq.request
+        if seq.index != 0 or req.params.n == 1 or req.forked:
+            return [seq]
+        req.forked = True
+        children = [self._new_seq(req, i) for i in range(1, req.params.n)]
+        for child in children:
+            self.pool.fork(seq.seq_id, child.seq_id)
+            self.runner.fork(seq.seq_id, child.seq_id)
+            child.in_pool = True
+            self.running.append(child)
+        return [seq, *children]
+
+    def _sample(
+        self, logits: Tensor, done: list[tuple[int, Seq]], drafts: dict[Any, list[int]]
+    ) -> None:
+        order: list[int] = []  # the logits row of each sampled position
+        seqs: list[Seq] = []
+        extras: list[list[int]] = []  # the drafts before each position
+        rewind: dict[int, GeneratorRewind] = {}
         for r, seq in done:
-            req = seq.request
-            p = req.params
-            if seq.index == 0 and p.n > 1 and not req.forked:
-                req.forked = True
-                children = [self._new_seq(req, i) for i in range(1, p.n)]
-                for child in children:
-                    self.pool.fork(seq.seq_id, child.seq_id)
-                    self.runner.fork(seq.seq_id, child.seq_id)
-                    child.in_pool = True
-                    self.running.append(child)
-                pairs += [(r, s) for s in (seq, *children)]
-            else:
-                pairs.append((r, seq))
-        seqs = [s for _, s in pairs]
-        order = [r for r, _ in pairs]
+            d = drafts.get(seq.seq_id, [])
+            for s in self._fork(seq) if not d else [seq]:
+                for j in range(len(d) + 1):
+                    order.append(r + j)
+                    seqs.append(s)
+                    extras.append(d[:j])
+            if d and seq.generator is not None and not seq.request.params.greedy:
+                rewind[seq.seq_id] = GeneratorRewind(seq.generator, logits.shape[-1])
         if order != list(range(logits.shape[0])):  # not every row once, in order: a copy
             logits = logits[order]
-        results = sample_step(logits, seqs, eos_ids=self.eos_ids, generator=self._seed_source)
-        for s, res in zip(seqs, results, strict=True):
-            if s.request.error is not None:
-                continue
-            if res.error is not None:
-                self._fail(s.request, res.error)
-                continue
+        results = sample_step(
+            logits, seqs, eos_ids=self.eos_ids, generator=self._seed_source,
+            extras=extras if drafts else None,
+        )  # fmt: skip
+        i = 0
+        while i < len(seqs):
+            s = seqs[i]
+            d = drafts.get(s.seq_id, [])
+            self._accept(s, d, results[i : i + len(d) + 1], rewind.get(s.seq_id))
+            i += len(d) + 1
+
+    def _accept(
+        self, s: Seq, d: list[int], results: list[Any], rewind: GeneratorRewind | None
+    ) -> None:
+        """Keep ``s``'s verified drafts and the token after them (no drafts: one token)."""
+        if s.request.error is not None:
+            return
+        a = accepted_prefix(d, [res.token for res in results])  # a failed row's token is -1
+        if results[a].error is not None:
+            self._fail(s.request, results[a].error)
+            return
+        if d:
+            self.pool.manager.commit(s.seq_id, 1 + a)  # the last token and the kept drafts
+            self.pool.manager.truncate(s.seq_id, self.pool.num_computed(s.seq_id))
+            self.metrics.record_speculation(drafted=len(d), accepted=a)
+            if rewind is not None:
+                rewind.keep(a + 1)
+        for j, res in enumerate(results[: a + 1]):
             lp = None
             if res.logprobs is not None:
                 lp = TokenLogprob(res.token, res.logprobs[0], res.logprobs[1])
-            try:
-                self._append(s, res.token, lp)
-            except Exception as e:  # a grammar or detokeniser fault fails this request alone
+            try:  # a grammar or detokeniser fault fails this request alone
+                if self._append(s, res.token, lp, grow=j == a):
+                    return
+            except Exception as e:
                 self._fail(s.request, f"{type(e).__name__}: {e}")
+                return
 
-    def _append(self, seq: Seq, tok: int, lp: TokenLogprob | None) -> None:
+    def _append(self, seq: Seq, tok: int, lp: TokenLogprob | None, *, grow: bool = True) -> bool:
+        """Output ``tok``; True when ``seq`` finished with it (its blocks are freed)."""
         reason = self.output.process(seq, tok, lp)
         if reason is not None:
             seq.finish_reason = reason
             self._drop(seq)
-        else:
+            return True
+        if grow:
             self.pool.append_tokens(seq.seq_id, [tok])
+        return False
 
     def _collect(self) -> list[RequestOutput]:
         return self.output.collect(self.requests)
@@ -438,48 +490,11 @@ class Engine:
         prompts: Iterable[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[list[CompletionDelta]]:
-        """Run prompts to completion (continuous batching) and return each one's choices.
-
-        Returns:
-            For each prompt, its ``n`` choices, each as one :class:`CompletionDelta` with
-            the whole text, token ids, logprobs and finish reason. A request that failed
-            inside a step has ``finish_reason="error"`` and the reason in ``error``; the
-            others run to completion as if it had not been there.
+        """Run prompts to completion (continuous batching) and return each one's choices
+        (:func:`~attnlab.serving.outputs.run_offline`: the whole text, token ids, logprobs
+        and finish reason of each; a request that failed has ``finish_reason="error"``).
 
         Raises:
             ParamError: a request does not fit (none is queued then).
         """
-        prompts = list(prompts)
-        plist = (
-            list(params)
-            if isinstance(params, Sequence)
-            else [params or SamplingParams()] * len(prompts)
-        )
-        base = f"offline-{next(self._order)}-"
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        for prompt, p in zip(prompts, plist, strict=True):  # all checked before any is queued
-            self.validate(
-                self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt), p
-            )
-        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            self.add_request(f"{base}{i}", prompt, p)
-        results: dict[str, dict[int, CompletionDelta]] = {
-            f"{base}{i}": {} for i in range(len(prompts))
-        }
-        while self.has_work():
-            for out in self.step():
-                acc = results.get(out.request_id)
-                if acc is None:
-                    continue
-                for d in out.outputs:
-                    have = acc.setdefault(d.index, CompletionDelta(index=d.index))
-                    have.text += d.text
-                    have.token_ids += d.token_ids
-                    have.logprobs += d.logprobs
-                    have.finish_reason = d.finish_reason or have.finish_reason
-                    have.error = out.error
-        return [
-            [acc[i] for i in sorted(acc)]
-            for acc in (results[f"{base}{j}"] for j in range(len(prompts)))
-        ]
+        return run_offline(self, prompts, params, base=f"offline-{next(self._order)}-")

@@ -31,6 +31,9 @@ class EngineMetrics:
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    spec_verifications: int = 0  # rows that verified drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     steps: int = 0
     step_seconds: float = 0.0
     blocks_used: int = 0
@@ -69,6 +72,17 @@ class EngineMetrics:
         self.running, self.waiting = running, waiting
         self.history.append((now - self._start, used, total, waste))
         self._recent.append((now, tokens))
+
+    def record_speculation(self, *, drafted: int, accepted: int) -> None:
+        """Account one sequence's verified drafts (speculative decoding)."""
+        self.spec_verifications += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     def record_ttft(self, seconds: float) -> None:
         """Account one request's time to first token."""
@@ -147,6 +161,16 @@ class EngineMetrics:
             self.preemptions,
         )
         metric("steps_total", "counter", "Engine steps.", self.steps)
+        for name, help_, value in (
+            (
+                "spec_verifications_total",
+                "Sequence rows that verified drafts.",
+                self.spec_verifications,
+            ),
+            ("spec_draft_tokens_total", "Speculative tokens drafted.", self.spec_draft_tokens),
+            ("spec_accepted_tokens_total", "Drafted tokens accepted.", self.spec_accepted_tokens),
+        ):
+            metric(name, "counter", help_, value)
         metric("kv_blocks_used", "gauge", "KV blocks held by sequences.", self.blocks_used)
         metric("kv_blocks_free", "gauge", "KV blocks free or evictable.", blocks_free)
         metric("kv_cache_hit_rate", "gauge", "Prefix-cache block hits / lookups.", cache_hit_rate)

@@ -9,6 +9,7 @@ runs, the sampler extends and the output processor turns into text.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.params import SamplingParams
 
-__all__ = ["CompletionDelta", "Request", "RequestOutput", "Seq", "TokenLogprob"]
+__all__ = ["CompletionDelta", "Request", "RequestOutput", "Seq", "TokenLogprob", "run_offline"]
 
 
 @dataclass
@@ -112,7 +113,58 @@ class Seq:
     in_pool: bool = False
     pending: CompletionDelta | None = None
     matcher: Any = None  # the grammar's parser state (a GrammarMatcher) or None
+    lookup: Any = None  # the prompt-lookup n-gram index (speculative decoding) or None
 
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
+
+
+def run_offline(
+    engine: Any,
+    prompts: Iterable[str | Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    *,
+    base: str,
+) -> list[list[CompletionDelta]]:
+    """:meth:`Engine.generate <attnlab.serving.engine.Engine.generate>`: queue every
+    prompt (all checked before any is queued) under ids ``base + i``, step until done,
+    and join each choice's deltas into one.
+
+    Returns:
+        For each prompt, its ``n`` choices, each as one :class:`CompletionDelta` with
+        the whole text, token ids, logprobs and finish reason. A request that failed
+        inside a step has ``finish_reason="error"`` and the reason in ``error``; the
+        others run to completion as if it had not been there.
+    """
+    prompts = list(prompts)
+    plist = (
+        list(params)
+        if isinstance(params, Sequence)
+        else [params or SamplingParams()] * len(prompts)
+    )
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+    for prompt, p in zip(prompts, plist, strict=True):
+        engine.validate(
+            engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt), p
+        )
+    for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+        engine.add_request(f"{base}{i}", prompt, p)
+    results: dict[str, dict[int, CompletionDelta]] = {f"{base}{i}": {} for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            acc = results.get(out.request_id)
+            if acc is None:
+                continue
+            for d in out.outputs:
+                have = acc.setdefault(d.index, CompletionDelta(index=d.index))
+                have.text += d.text
+                have.token_ids += d.token_ids
+                have.logprobs += d.logprobs
+                have.finish_reason = d.finish_reason or have.finish_reason
+                have.error = out.error
+    return [
+        [acc[i] for i in sorted(acc)]
+        for acc in (results[f"{base}{j}"] for j in range(len(prompts)))
+    ]

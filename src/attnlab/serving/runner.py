@@ -136,8 +136,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
 
-    def batch(self, rows: Sequence[tuple[SeqId, int]]) -> tuple[Tensor, FlatBatch]:
-        """``(input_ids [1, N], FlatBatch)`` of a step's rows (reserved in the manager)."""
+    def batch(
+        self, rows: Sequence[tuple[SeqId, int]], keep: Sequence[int] | None = None
+    ) -> tuple[Tensor, FlatBatch]:
+        """``(input_ids [1, N], FlatBatch)`` of a step's rows (reserved in the manager);
+        ``keep[i]``: how many of row ``i``'s last tokens give logits (default 1)."""
         m, bs = self.manager, self.manager.block_size
         dev = self.pool.storage.device
         ids: list[int] = []
@@ -147,13 +150,14 @@ class ModelRunner:
         tables: list[list[int]] = []
         totals: list[int] = []
         fresh: list[bool] = []
-        for sid, n in rows:
+        for r, (sid, n) in enumerate(rows):
             s = m._seq(sid)
             start = s.computed
             ids += s.tokens[start : start + n]
             pos += range(start, start + n)
             write += [s.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
-            last.append(len(ids) - 1)
+            k = 1 if keep is None else keep[r]
+            last += range(len(ids) - k, len(ids))
             tables.append([0 if b == FREED else b for b in s.blocks])
             totals.append(start + n)
             fresh.append(start == 0)
@@ -185,28 +189,23 @@ class ModelRunner:
         bs = self.manager.block_size
         nb = max(len(tb) for tb in tables)
         table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long)
-        t = max(totals)
-        j = torch.arange(t)[None]  # [1, T] token index in the row
-        tot = torch.tensor(totals)[:, None]
-        valid = j < tot
-        jc = j.clamp(max=nb * bs - 1).expand(len(totals), t)  # [n_s, T]
-        gather = (table.gather(1, jc // bs) * bs + jc % bs).masked_fill(~valid, 0)  # [n_s, T]
         first = tuple(self.manager._seq(sid).first_live for sid, _ in rows)
+        # (a backend that reads gathered keys gets their slots from ``gather_index()``)
         return BlockTable(
             table=table.to(dev),
             block_size=bs,
             lengths=tuple(totals),
             offsets=(0,) * len(totals),
             first_block=first,
-            gather=gather.to(dev),
-            gather_positions=torch.where(valid, j, -1).to(dev),
         )
 
-    def run(self, rows: Sequence[tuple[SeqId, int]]) -> Tensor:
-        """One forward over the step's rows: logits ``[n_s, V]`` of each row's last token.
+    def run(self, rows: Sequence[tuple[SeqId, int]], keep: Sequence[int] | None = None) -> Tensor:
+        """One forward over the step's rows: logits ``[n_s, V]`` of each row's last token
+        (``[sum(keep), V]``: of each row's last ``keep[i]`` tokens, the drafts a
+        speculative row verifies).
 
         The caller commits the rows' tokens in the manager after (``KVManager.commit``).
         """
-        ids, flat = self.batch(rows)
+        ids, flat = self.batch(rows, keep)
         logits: Tensor = self.model.forward_flat(ids, flat, self.cache)  # type: ignore[operator]
         return logits

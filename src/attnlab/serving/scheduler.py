@@ -9,6 +9,12 @@ latest-arrived running sequence is preempted: its blocks are freed and it is rec
 later from its tokens, so no sequence is ever corrupted and a step never fails for
 memory. The result says which ``(sequence, new tokens)`` rows run and which blocks the
 storage must copy first (copy-on-write), as vLLM's ``SchedulerOutput`` does.
+
+Speculative decoding (an optional ``drafter``): the budget left after every decode
+token, prefill chunk and new request goes to drafted tokens of the decoding sequences,
+in arrival order. A decoding row then carries its last token and its drafts (the model
+verifies them in the same forward); drafts never preempt: a sequence whose drafts do not
+fit in the free blocks runs its one token alone.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ class ScheduledStep:
     Attributes:
         rows: ``(sequence, new tokens)`` in the order the runner lays them out.
         copies: ``(source, destination)`` block copies to make before the forward.
+        drafts: ``seq_id -> drafted tokens`` of the rows that verify drafts (the row's
+            new tokens are its last token and these, known to the manager until the
+            engine cuts the rejected ones off).
     """
 
     rows: list[tuple[Any, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    drafts: dict[Any, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -51,6 +61,8 @@ class Scheduler:
         max_num_batched_tokens: the token budget of a step.
         on_admit: called with ``(sequence, cached tokens)`` when a sequence enters.
         on_preempt: called with a sequence that lost its blocks (before it waits again).
+        drafter: ``drafter(sequence, at_most) -> tokens`` drafts for a decoding sequence
+            (speculative decoding), or None.
     """
 
     def __init__(
@@ -61,6 +73,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         on_admit: Callable[[Any, int], None] | None = None,
         on_preempt: Callable[[Any], None] | None = None,
+        drafter: Callable[[Any, int], list[int]] | None = None,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -70,6 +83,7 @@ class Scheduler:
         self.preemptions = 0
         self._on_admit = on_admit
         self._on_preempt = on_preempt
+        self._drafter = drafter
 
     def _preempt(self, step: ScheduledStep) -> Any:
         """Free the lowest-priority (latest-arrived) running sequence; recompute it later."""
@@ -89,8 +103,34 @@ class Scheduler:
         """The next step: decode tokens, then prefill chunks, then new sequences."""
         step = ScheduledStep()
         budget = self._running_rows(step, self.max_num_batched_tokens)
-        self._admit(step, budget)
+        budget = self._admit(step, budget)
+        if self._drafter is not None and budget > 0:
+            self._draft(step, budget, self._drafter)
         return step
+
+    def _draft(
+        self, step: ScheduledStep, budget: int, drafter: Callable[[Any, int], list[int]]
+    ) -> None:
+        """Give the decoding rows drafted tokens from the budget left (never preempting)."""
+        m = self.manager
+        for r, (seq, n) in enumerate(step.rows):
+            if budget <= 0:
+                break
+            if n != 1 or m.num_tokens(seq.seq_id) - m.num_computed(seq.seq_id) != 1:
+                continue  # a prefill chunk, or a sequence that is not decoding
+            drafts = drafter(seq, budget)[:budget]
+            if not drafts:
+                continue
+            known = m.num_tokens(seq.seq_id)
+            m.append_tokens(seq.seq_id, drafts)
+            try:
+                step.copies += m.reserve(seq.seq_id, len(drafts))
+            except OutOfBlocks:
+                m.truncate(seq.seq_id, known)
+                continue
+            step.rows[r] = (seq, 1 + len(drafts))
+            step.drafts[seq.seq_id] = drafts
+            budget -= len(drafts)
 
     def _running_rows(self, step: ScheduledStep, budget: int) -> int:
         m = self.manager
@@ -116,7 +156,7 @@ class Scheduler:
                         break
         return budget
 
-    def _admit(self, step: ScheduledStep, budget: int) -> None:
+    def _admit(self, step: ScheduledStep, budget: int) -> int:
         m = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -138,3 +178,4 @@ class Scheduler:
             self.running.append(seq)
             step.rows.append((seq, n))
             budget -= n
+        return budget

@@ -35,15 +35,16 @@ class RowResult:
     error: str | None = None
 
 
-def _row(seq: Any, eos_ids: set[int]) -> RowSampling:
+def _row(seq: Any, eos_ids: set[int], extra: Sequence[int] = ()) -> RowSampling:
     p = seq.request.params
+    output_ids = list(seq.output_ids) + list(extra) if extra else seq.output_ids
     banned: list[int] = []
-    if len(seq.output_ids) < p.min_tokens:
+    if len(output_ids) < p.min_tokens:
         banned = sorted(eos_ids | set(p.stop_token_ids))
     return RowSampling(
         settings=p.settings,
         prompt_ids=seq.request.prompt_ids,
-        output_ids=seq.output_ids,
+        output_ids=output_ids,
         banned=banned,
         generator=seq.generator,
     )
@@ -86,6 +87,7 @@ def sample_step(
     *,
     eos_ids: set[int],
     generator: torch.Generator,
+    extras: Sequence[Sequence[int]] | None = None,
 ) -> list[RowResult]:
     """Choose the next token of each sequence.
 
@@ -95,12 +97,14 @@ def sample_step(
             ``output_ids``, ``generator``, ``matcher``).
         eos_ids: the end-of-sequence tokens (banned before ``min_tokens``).
         generator: the noise of unseeded rows.
+        extras: per row, the drafted tokens before its position (speculative
+            verification: the row is sampled as if they were already output), or None.
 
     Returns:
         One :class:`RowResult` per sequence.
     """
     errors: dict[int, str] = {}
-    rows = [_row(s, eos_ids) for s in seqs]
+    rows = [_row(s, eos_ids, extras[i] if extras else ()) for i, s in enumerate(seqs)]
     bitmask = _masks(seqs, rows, errors)
     try:
         out = sample(logits, rows, bitmask=bitmask, generator=generator)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from attnlab.serving.params import ParamError, SamplingParams
 
-__all__ = ["validate_request"]
+__all__ = ["check_kv_dtype", "default_max_model_len", "validate_request"]
 
 
 def validate_request(
@@ -71,3 +71,55 @@ def validate_request(
             "max_tokens",
             f"the request needs {blocks} KV blocks, the pool has {num_blocks}",
         )
+
+
+def check_kv_dtype(
+    kv_dtype: str | None, specs: list[str], speculative: str | None = None
+) -> str | None:
+    """The paged pool's ``kv_dtype`` (None for the model's dtype), checked.
+
+    Raises:
+        ValueError: an unknown name, a model without attention layers, or keys per
+            channel with speculative decoding (rejected drafts rewrite slots of a block
+            that may already be quantized: its keys would be rounded again and the output
+            would differ from plain decoding).
+    """
+    from attnlab.cache.paged.storage import PAGED_KV_DTYPES
+
+    if kv_dtype is None or kv_dtype == "float":
+        return None
+    if kv_dtype not in PAGED_KV_DTYPES:
+        raise ValueError(
+            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (keys per token, "
+            f"or per channel in each block), got {kv_dtype!r}"
+        )
+    if "kv" not in specs:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: this model has no attention layers to cache")
+    if speculative is not None and kv_dtype.endswith("-channel"):
+        raise ValueError(
+            f"speculative={speculative!r} with kv_dtype={kv_dtype!r}: keys quantized per "
+            "channel over a block would be re-rounded when rejected drafts are rewritten, so "
+            "the output would differ from plain decoding; use kv_dtype 'int8'/'int4' (per "
+            "token) or no speculative decoding"
+        )
+    return kv_dtype
+
+
+def default_max_model_len(model: object) -> int:
+    """The context the engine serves when ``max_model_len`` is not given: the config's
+    ``max_position_embeddings``.
+
+    Raises:
+        ValueError: a config without one (a recurrent model has no context length of its
+            own), naming ``max_model_len``.
+    """
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"max_model_len: {type(model).__name__}'s config ({type(config).__name__}) has no "
+            "max_position_embeddings (a recurrent model has no context length of its own), "
+            "so the engine cannot size its pool and its requests: give max_model_len= "
+            "(attnlab serve --max-model-len N)"
+        )
+    return value

@@ -219,6 +219,28 @@ class KVManager:
         self.copies += 1
         return old, new
 
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Forget a sequence's tokens from ``num_tokens`` on (rejected speculative drafts):
+        their reservations end and the blocks no kept token needs go back to the pool.
+
+        Only tokens that are not computed can go: their keys and values were never
+        committed, so no prefix-cache hash includes them.
+
+        Raises:
+            ValueError: ``num_tokens`` below the computed tokens or above the known ones.
+        """
+        s = self._seq(seq_id)
+        check_int("num_tokens", num_tokens, min_value=s.computed)
+        if num_tokens > len(s.tokens):
+            raise ValueError(
+                f"sequence {seq_id!r} knows {len(s.tokens)} tokens, cannot keep {num_tokens}"
+            )
+        del s.tokens[num_tokens:]
+        s.reserved = min(s.reserved, num_tokens)
+        keep = -(-s.reserved // self.block_size)
+        while len(s.blocks) > max(keep, s.first_live):
+            self.allocator.release(s.blocks.pop())
+
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Start ``child`` as a copy of ``parent`` that shares all its blocks (copy-on-write).
 

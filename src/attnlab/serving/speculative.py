@@ -1,0 +1,175 @@
+"""Speculative decoding in the serving engine: prompt-lookup drafts verified in the step.
+
+Prompt lookup (Saxena, 2023) drafts the tokens that followed the latest earlier
+occurrence of a sequence's last n-gram (longest n first); it costs no model, and it is
+strong when the output repeats spans of the prompt (edits, code changes, quoting
+summaries). In the engine, each decoding sequence's drafts are extra query tokens of its
+row of the step's flat forward (attention through the ``document`` pattern over the
+paged KV, exactly as a prefill chunk), so one forward scores the last token and every
+draft of every sequence. Verification (:func:`accepted_prefix`) keeps the drafts the
+sampler itself would have chosen: position ``i``'s logits are sampled with the
+sequence's settings as if the drafts before it were already output (penalties,
+``min_tokens``), and draft ``i`` is kept when the token chosen there equals it.
+
+Greedy rows keep the longest prefix that equals the argmax, then the argmax after it:
+plain greedy output. Sampling rows keep draft ``d_i`` with probability ``p_i(d_i)`` and,
+at the first rejection, draw from ``p_i`` without ``d_i``: that is the rejection rule of
+speculative sampling (Leviathan et al., 2023; Chen et al., 2023) for a deterministic
+draft, so the output is distributed as plain sampling. A seeded request's generator is
+rewound to the draws of the kept tokens only (:class:`GeneratorRewind`), so it draws the
+very tokens plain decoding draws.
+
+The KV of the rejected drafts is cut off (:meth:`~attnlab.cache.paged.manager.KVManager.truncate`):
+their slots are forgotten and the blocks only they needed go back to the pool; they
+were never committed, so no prefix-cache hash includes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnlab._validate import check_int
+
+__all__ = [
+    "SPECULATIVE_METHODS",
+    "GeneratorRewind",
+    "NgramIndex",
+    "SpeculativeConfig",
+    "accepted_prefix",
+    "check_speculative",
+]
+
+#: The drafters the engine offers.
+SPECULATIVE_METHODS = ("prompt_lookup",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The engine's speculative settings.
+
+    Attributes:
+        method: ``"prompt_lookup"``.
+        num_tokens: drafts per sequence and step at most.
+        max_ngram: the longest n-gram prompt lookup matches.
+    """
+
+    method: str
+    num_tokens: int
+    max_ngram: int
+
+    def drafter(self, max_model_len: int) -> Callable[[Any, int], list[int]]:
+        """The scheduler's ``drafter(seq, at_most)``: prompt-lookup drafts for a decoding
+        engine sequence, as many as its ``max_tokens`` and the context leave room for
+        (the verified token comes on top); none for a grammar-constrained sequence
+        (its parser state cannot be rewound) or one whose first token is still due."""
+
+        def draft(seq: Any, at_most: int) -> list[int]:
+            if not seq.output_ids or seq.matcher is not None:
+                return []
+            k = min(
+                self.num_tokens,
+                at_most,
+                seq.request.params.max_tokens - len(seq.output_ids) - 1,
+                max_model_len - len(seq.tokens) - 1,
+            )
+            if k <= 0:
+                return []
+            if seq.lookup is None:
+                seq.lookup = NgramIndex(self.max_ngram)
+            return seq.lookup.draft(seq.tokens, k)  # type: ignore[no-any-return]
+
+        return draft
+
+
+def check_speculative(
+    speculative: str | None,
+    num_speculative_tokens: int,
+    max_ngram: int,
+    specs: Sequence[str],
+) -> SpeculativeConfig | None:
+    """The engine's speculative settings, checked, or None when off.
+
+    Raises:
+        ValueError: an unknown method, a count that is not a positive int, or a model
+            with recurrent layers (a state cannot be cut back to the kept tokens).
+    """
+    if speculative is None:
+        return None
+    if speculative not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative must be None or one of {list(SPECULATIVE_METHODS)}, got {speculative!r}"
+        )
+    check_int("num_speculative_tokens", num_speculative_tokens, min_value=1)
+    check_int("speculative_max_ngram", max_ngram, min_value=1)
+    if "state" in specs:
+        raise ValueError(
+            f"speculative={speculative!r}: the model has recurrent layers, whose state "
+            "advances over every drafted token and cannot be cut back to the accepted "
+            "ones; serve it without speculative decoding"
+        )
+    return SpeculativeConfig(speculative, num_speculative_tokens, max_ngram)
+
+
+@dataclass
+class NgramIndex:
+    """Prompt lookup over a growing token list, in constant time per new token.
+
+    :meth:`draft` returns what :func:`attnlab.generation.speculative.prompt_lookup`
+    returns (the continuation of the latest earlier occurrence of the last n-gram,
+    longest ``n`` first), from a map of every n-gram to its latest start that is built
+    as the tokens grow instead of a scan of the whole context each step.
+
+    Attributes:
+        max_ngram: the longest n-gram matched.
+    """
+
+    max_ngram: int
+    _latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _indexed: int = 0  # n-grams ending before this token are in ``_latest``
+
+    def draft(self, tokens: Sequence[int], num_draft: int) -> list[int]:
+        """Up to ``num_draft`` tokens after the latest earlier occurrence of the last
+        n-gram of ``tokens`` (a list that only grows between calls); ``[]`` if none."""
+        n_tok = len(tokens)
+        # an n-gram may be matched when a token follows it before the tail: end <= n_tok - 1
+        for end in range(self._indexed + 1, n_tok):
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._latest[tuple(tokens[end - n : end])] = end - n
+        self._indexed = max(self._indexed, n_tok - 1)
+        for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
+            start = self._latest.get(tuple(tokens[n_tok - n :]))
+            if start is not None:
+                return list(tokens[start + n : start + n + num_draft])
+        return []
+
+
+def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
+    """How many drafts are kept: the longest prefix equal to the tokens the sampler chose
+    at their positions (``chosen[i]`` after the drafts before ``i``)."""
+    return next((i for i, (d, t) in enumerate(zip(drafts, chosen)) if d != t), len(drafts))
+
+
+class GeneratorRewind:
+    """A seeded row's generator, rewound to the draws of the kept positions.
+
+    The sampler draws one ``[V]`` row of exponential noise per position from a seeded
+    request's generator. Verifying ``k`` drafts draws ``k + 1`` rows; plain decoding
+    would have drawn one per kept token, so after verification the generator is put
+    back and advanced by the kept positions only.
+    """
+
+    def __init__(self, generator: torch.Generator, vocab: int) -> None:
+        self.generator = generator
+        self.vocab = vocab
+        self.state = generator.get_state()
+
+    def keep(self, positions: int) -> None:
+        """Leave the generator as if it had drawn ``positions`` noise rows since the mark."""
+        self.generator.set_state(self.state)
+        row = torch.empty(self.vocab)
+        for _ in range(positions):
+            row.exponential_(generator=self.generator)
