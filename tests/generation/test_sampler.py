@@ -174,3 +174,24 @@ def test_logprobs_are_the_models_and_the_bitmask_masks() -> None:
     assert chosen == pytest.approx(float(ref[0, out.tokens[0]]), abs=1e-5)
     assert [t for t, _ in top] == ref[0].topk(3).indices.tolist()
     assert out.logprobs[1] is not None and out.logprobs[1][1] == []
+
+
+def test_the_callers_logits_are_never_written() -> None:
+    """Greedy rows read the logits as they are (no copy); bans, biases and grammar masks
+    write into a copy of them."""
+    logits = _logits(3, 5)
+    before = logits.clone()
+    plain = [RowSampling(SamplingSettings(temperature=0)) for _ in range(3)]
+    assert sample(logits, plain).tokens == logits.argmax(-1).tolist()
+    ties = torch.zeros(3, V)
+    ties[:, [7, 30]] = 1.0  # a greedy tie goes to the first maximum, as argmax
+    assert sample(ties, plain).tokens == [7, 7, 7]
+    top = int(logits[1].argmax())
+    rows = [
+        RowSampling(SamplingSettings(temperature=0, logit_bias={3: 50.0})),
+        RowSampling(SamplingSettings(temperature=0), banned=[top]),
+        RowSampling(SamplingSettings(temperature=0.7), generator=torch.Generator().manual_seed(0)),
+    ]
+    got = sample(logits, rows).tokens
+    assert got[0] == 3 and got[1] != top
+    assert torch.equal(logits, before)

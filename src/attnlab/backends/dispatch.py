@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.call import AttentionCall, Backend
-from attnlab.backends.plan import AttentionPlan, KVView, SequenceLayout
+from attnlab.backends.plan import AttentionPlan, BlockTable, KVView, SequenceLayout
 from attnlab.backends.registry import get
 from attnlab.backends.select import _memoized
 from attnlab.functional.attention import AttnMask, pattern_mask, resolve_mask
@@ -269,12 +269,17 @@ def _attend_flat(
     assert plan.q_positions is not None
     q_pos = plan.q_positions[0]  # [N]
     out: Tensor | None = None
-    for g in layout.groups:
+    for i, g in enumerate(layout.groups):
         n_g = len(g.rows)
+        backend = plan.group_backend(i)
         q = q_flat.index_select(1, g.spread).view(h, n_g, g.width, e).transpose(0, 1)
         qp = q_pos.index_select(0, g.spread).view(n_g, g.width)  # [n_g, W_g]
-        if kv.block_table is not None:
+        if kv.block_table is not None and backend.reads_blocks:
             key, value, kp, table = kv.key, kv.value, None, g.blocks
+        elif kv.block_table is not None:  # this group's keys gathered from the pools
+            assert g.blocks is not None
+            key, value, kp = _gather_group(kv.key, kv.value, g.blocks)
+            table = None
         elif g.rows == tuple(range(kv.key.shape[0])):  # every sequence (a decode step)
             key, value, kp, table = kv.key, kv.value, kv.k_positions, None
         else:
@@ -283,7 +288,7 @@ def _attend_flat(
             assert kv.k_positions is not None
             kp, table = kv.k_positions.index_select(0, rows), None
         o, _ = _run(
-            plan.backend,
+            backend,
             False,
             call.dropout_p,
             call.enable_gqa,
@@ -304,3 +309,16 @@ def _attend_flat(
         out.index_copy_(1, g.keep, o.index_select(1, g.places))
     assert out is not None
     return out.unsqueeze(0)  # [1, H, N, Ev]
+
+
+def _gather_group(key_pool: Tensor, value_pool: Tensor, blocks: BlockTable) -> tuple:
+    """A group's keys/values copied out of float pools ``[slots, H_kv, E]`` through its
+    block tables: ``([n_g, H_kv, T_g, E], [n_g, H_kv, T_g, Ev], slots [n_g, T_g])``, the
+    slot ``-1`` past a row's tokens (one contiguous row copy per token, as the cache's
+    gather path does); the index is made once per step, shared by the layers."""
+    idx, pos = blocks.gather_index()
+    n, t = pos.shape
+    h = key_pool.shape[1]
+    keys = key_pool.view(key_pool.shape[0], -1).index_select(0, idx).view(n, t, h, -1)
+    values = value_pool.view(value_pool.shape[0], -1).index_select(0, idx).view(n, t, h, -1)
+    return keys.transpose(1, 2), values.transpose(1, 2), pos

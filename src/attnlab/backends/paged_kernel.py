@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backend_traits import TRAITS
-from attnlab.backends import cost_constants, native
+from attnlab.backends import native
 from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, format_seconds, units
 from attnlab.backends.plan import BlockTable
@@ -39,11 +39,16 @@ from attnlab.functional.masks import MaskPattern
 
 __all__ = ["paged_kernel_attention", "pattern_window"]
 
-#: bytes per second the kernel reads a pool's keys/values at (one thread; measured by
-#: ``benchmarks/serving_step.py --attention``, docs/benchmarks.md)
+#: The kernel's constants, one thread, float32, head dim 64 (``KERNEL_*``; measured on the
+#: project's machine under the bench lock, docs/benchmarks.md "paged attention kernel"): a
+#: decode step of 32 rows x 160 keys (10.5 MB of keys/values) took 1.1 ms (a ``sum`` over
+#: as many bytes 0.53 ms; the block copy + torch's kernel 7-8 ms): it is bound by the
+#: bytes it reads. A prefill chunk (8 rows x 128 queries, causal) took 9.9 ms against
+#: 2.4 ms for the block copy + torch's flash kernel: its scalar-ish inner loops are slower
+#: per (query, key) pair than torch's GEMM tiles, so ``auto`` sends chunks to the copy.
 KERNEL_BYTES_PER_S = 8e9
-#: the kernel's fixed cost per call (the dispatcher and the row metadata)
-KERNEL_OVERHEAD_S = 2e-5
+KERNEL_SECONDS_PER_UNIT = 3.5e-8  # one (query, key) pair of one head at head dim 64
+KERNEL_OVERHEAD_S = 2e-5  # the dispatcher and the rows' metadata, per call
 
 
 def pattern_window(pattern: MaskPattern | None, is_causal: bool) -> int | str | None:
@@ -185,11 +190,11 @@ def _cost(call: AttentionCall) -> Estimate | None:
         return None
     b, h_kv, s, e = call.key_shape[0], call.key_shape[-3], call.key_shape[-2], call.key_shape[-1]
     L = call.query_shape[-2]
-    _, per_unit = cost_constants.CONSTANTS["cpu"]["sdpa_flash"]["fwd"]
-    # the keys read once from the pool, in place; the causal pairs at the flash kernel's rate
+    # the keys read once from the pool, in place, or the causal pairs, whichever bounds it
     nbytes = b * h_kv * s * (e + call.value_shape[-1]) * call.dtype.itemsize
     pairs = s - (L - 1) / 2 if s >= L else s / 2
-    seconds = KERNEL_OVERHEAD_S + nbytes / KERNEL_BYTES_PER_S + units(call, L * pairs) * per_unit
+    work = units(call, L * pairs) * KERNEL_SECONDS_PER_UNIT
+    seconds = KERNEL_OVERHEAD_S + max(nbytes / KERNEL_BYTES_PER_S, work)
     note = f"~{format_seconds(seconds)}, no copy of the keys"
     return Estimate(seconds, note)
 

@@ -71,6 +71,26 @@ class BlockTable:
     gather: Tensor | None = None
     gather_positions: Tensor | None = None
 
+    def gather_index(self) -> tuple[Tensor, Tensor]:
+        """``(slots [B * T], positions [B, T])``: the pool slot of each row's token ``p``
+        (``T`` the longest row; 0 past a row's tokens) and ``p`` (``-1`` past them), for a
+        backend that reads gathered keys. ``gather``/``gather_positions`` when given, else
+        made from the table once (kept: every layer of the step shares it)."""
+        if self.gather is not None and self.gather_positions is not None:
+            return self.gather.reshape(-1), self.gather_positions
+        memo: tuple[Tensor, Tensor] | None = self.__dict__.get("_gather_index")
+        if memo is None:
+            bs, table = self.block_size, self.table
+            n, nb = table.shape
+            t = max(self.lengths)
+            j = torch.arange(t, device=table.device)[None]  # [1, T]
+            valid = j < torch.tensor(self.lengths, device=table.device)[:, None]
+            jc = j.clamp(max=nb * bs - 1).expand(n, t)
+            slots = (table.gather(1, jc // bs) * bs + jc % bs).masked_fill(~valid, 0)
+            memo = (slots.reshape(-1), torch.where(valid, j, -1))
+            self.__dict__["_gather_index"] = memo  # a frozen record: its derived index
+        return memo
+
 
 @dataclass(frozen=True)
 class SeqGroup:
@@ -290,6 +310,9 @@ class AttentionPlan:
             layers), or None.
         carry: what a layer hands to later layers of the same forward (RWKV-7's first
             layer's values, ``models/linear_mixers.py``); empty at the start of a forward.
+        group_backends: a paged flat step's backend per group of its layout (a decode
+            group and prefill chunks cost differently: ``auto`` ranks each group's own
+            call), or empty (``backend`` runs every group).
     """
 
     call: AttentionCall
@@ -305,6 +328,7 @@ class AttentionPlan:
     write_slots: Tensor | None = field(default=None, repr=False)
     state_slots: Tensor | None = field(default=None, repr=False)
     carry: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    group_backends: tuple[Backend, ...] = field(default=(), repr=False)
 
     @property
     def need_weights(self) -> bool:
@@ -313,8 +337,15 @@ class AttentionPlan:
 
     @property
     def reads_blocks(self) -> bool:
-        """The backend reads a paged cache's pools through block tables (no gather)."""
-        return self.call.block_size > 0 and self.backend.reads_blocks
+        """The backend (of some group, in a flat step) reads a paged cache's pools through
+        block tables: the cache hands over the pools, not gathered keys."""
+        if self.call.block_size <= 0:
+            return False
+        return any(b.reads_blocks for b in (self.group_backends or (self.backend,)))
+
+    def group_backend(self, index: int) -> Backend:
+        """The backend of group ``index`` of the plan's layout."""
+        return self.group_backends[index] if self.group_backends else self.backend
 
     def with_weights(self) -> AttentionPlan:
         """This plan returning the attention weights (for tools that read them): its
@@ -340,6 +371,19 @@ def resolve(call: AttentionCall, backend: str = "auto", *, chosen: str | None = 
     return get(choose_call(call, backend).chosen)
 
 
+def _group_call(call: AttentionCall, group: SeqGroup) -> AttentionCall:
+    """The call of one group of a flat paged step: its rows, width and longest row."""
+    assert group.blocks is not None
+    n, t = len(group.rows), max(group.blocks.lengths)
+    q, k, v = call.query_shape, call.key_shape, call.value_shape
+    return replace(
+        call,
+        query_shape=(n, q[1], group.width, q[-1]),
+        key_shape=(n, k[1], t, k[-1]),
+        value_shape=(n, v[1], t, v[-1]),
+    )
+
+
 def make_plan(
     call: AttentionCall,
     *,
@@ -363,15 +407,24 @@ def make_plan(
         backend: ``"auto"`` (the registry's choice, :func:`~attnlab.backends.use`
             respected), or a backend name (checked against the call).
         chosen: a backend name resolved beforehand (e.g. for a compiled step), used as is.
+            Without it, a paged flat step (``layout`` with ``blocks``) has each group's
+            backend chosen for the group's own call (``group_backends``).
         pattern, positions, q_positions, k_positions, start, token_mask, layout,
             blocks, write_slots, state_slots: the :class:`AttentionPlan` fields.
 
     Raises:
         ValueError: a named backend that cannot run the call, or an unknown name.
     """
+    chosen_backend = resolve(call, backend, chosen=chosen)
+    groups: tuple[Backend, ...] = ()
+    if layout is not None and blocks is not None and call.block_size > 0 and chosen is None:
+        groups = tuple(resolve(_group_call(call, g), backend) for g in layout.groups)
+        if all(b is chosen_backend for b in groups):
+            groups = ()
     return AttentionPlan(
         call=call,
-        backend=resolve(call, backend, chosen=chosen),
+        backend=chosen_backend,
+        group_backends=groups,
         pattern=pattern,
         positions=positions,
         q_positions=q_positions,

@@ -69,10 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=["float", "int8", "int4"],
+        choices=["float", "int8", "int4", "int8-channel", "int4-channel"],
         default="float",
-        help="how the paged pool stores keys and values: the model's dtype (default), or "
-        "int8/int4 quantized per token (dequantized when a step gathers them)",
+        help="how the paged pool stores keys and values: the model's dtype (default), "
+        "int8/int4 quantized per token, or int8-channel/int4-channel with keys quantized "
+        "per channel over each block as KIVI does (a block's keys stay float while it "
+        "fills); dequantized when a step gathers them",
     )
     p.add_argument(
         "--speculative",

@@ -24,6 +24,7 @@ __all__ = [
     "alibi_slopes",
     "apply_rope",
     "check_rope_parameters",
+    "dynamic_ntk_base",
     "positions_from_mask",
     "rope_angles",
     "rope_inv_freq",
@@ -225,17 +226,24 @@ def rope_inv_freq(
         assert factor is not None
         return _base_inv_freq(dim, base) / factor, 1.0
     if rope_type == "dynamic":
-        n = max(seq_len or max_position_embeddings, max_position_embeddings)
         assert factor is not None
-        new_base = base * ((factor * n / max_position_embeddings) - (factor - 1)) ** (
-            dim / (dim - 2)
-        )
-        return _base_inv_freq(dim, new_base), 1.0
+        n = seq_len or max_position_embeddings
+        return _base_inv_freq(
+            dim, dynamic_ntk_base(dim, base, factor, max_position_embeddings, n)
+        ), 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(dim, base, params, original), 1.0
     if rope_type == "longrope":
         return _longrope_inv_freq(dim, base, params, original, max_position_embeddings, seq_len)
     return _yarn_inv_freq(dim, base, params, original, max_position_embeddings)
+
+
+def dynamic_ntk_base(dim: int, base: float, factor: float, trained: int, seq_len: int) -> float:
+    """The base dynamic NTK uses for a sequence of ``seq_len`` tokens (bloc97; transformers'
+    ``_compute_dynamic_ntk_parameters``): ``base`` up to ``trained`` positions, then
+    ``base * (factor * seq_len / trained - (factor - 1)) ** (dim / (dim - 2))``."""
+    n = max(seq_len, trained)
+    return float(base * ((factor * n / trained) - (factor - 1)) ** (dim / (dim - 2)))
 
 
 def _llama3_inv_freq(dim: int, base: float, p: Mapping[str, Any], original: int) -> Tensor:

@@ -246,7 +246,12 @@ def sample(
     if len(rows) != b:
         raise ValueError(f"sample: {b} rows of logits but {len(rows)} row settings")
     want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
-    x = logits.float().clone()
+    x = logits.float()
+    writes = any(r.settings.logit_bias or r.banned for r in rows) or (
+        bitmask is not None and any(r.bitmask_row is not None for r in rows)
+    )
+    if writes and x is logits:  # masks and bans write in place: never into the caller's
+        x = x.clone()
     if bitmask is not None:
         masked = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
         if masked:
@@ -255,7 +260,10 @@ def sample(
             x[masked] = x[masked].masked_fill(~allowed, float("-inf"))
     _bias_and_ban(x, rows)
     x = _penalise(x, rows)
-    top = x.amax(dim=-1)  # [B]; NaN and +inf propagate, an all -inf row stays -inf
+    # [B] each; NaN and +inf propagate, an all -inf row stays -inf; the indices are the
+    # greedy rows' tokens (the first maximum, as argmax; one pass, where amax then argmax
+    # read the logits twice, and CPU argmax is several times slower than max)
+    top, tokens = x.max(dim=-1)
     bad = (~torch.isfinite(top)).tolist()
     failed = {
         i: (
@@ -266,7 +274,6 @@ def sample(
         for i, (v, is_bad) in enumerate(zip(top.tolist(), bad, strict=True))
         if is_bad
     }
-    tokens = x.argmax(dim=-1)  # [B]; the greedy rows' tokens
     sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
     if sampled:
         tokens[sampled] = _draw(x, rows, sampled, generator)

@@ -84,12 +84,13 @@ class Engine:
         max_waiting: the most queued requests; beyond it :meth:`add_request` raises
             :class:`QueueFull`.
         max_model_len: context length (prompt + output); default the model's
-            ``max_position_embeddings``.
+            ``max_position_embeddings`` (a recurrent model has none: give it).
         prefix_caching: reuse cached prompt blocks.
         kv_cache_bytes: memory cap of the default pool size.
-        kv_dtype: None or ``"float"`` (the model's dtype), or ``"int8"``/``"int4"``: the
-            pool stores keys and values quantized per token (more blocks fit in
-            ``kv_cache_bytes``; :mod:`attnlab.cache.paged.storage`).
+        kv_dtype: None or ``"float"`` (the model's dtype), ``"int8"``/``"int4"`` (the
+            pool stores keys and values quantized per token) or ``"int8-channel"``/
+            ``"int4-channel"`` (keys per channel over each block, KIVI's layout); more
+            blocks fit in ``kv_cache_bytes`` (:mod:`attnlab.cache.paged.storage`).
         speculative: None, or ``"prompt_lookup"``: each decoding sequence drafts up to
             ``num_speculative_tokens`` tokens from its context's n-grams (at most
             ``speculative_max_ngram`` long), verified in the step's forward; the output
@@ -151,7 +152,7 @@ class Engine:
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_waiting = max_waiting
         specs = layer_specs(model)
-        kv_dtype = check_kv_dtype(kv_dtype, specs)
+        kv_dtype = check_kv_dtype(kv_dtype, specs, speculative)
         #: the speculative settings, or None
         self.speculative = check_speculative(
             speculative, num_speculative_tokens, speculative_max_ngram, specs

@@ -189,21 +189,14 @@ class ModelRunner:
         bs = self.manager.block_size
         nb = max(len(tb) for tb in tables)
         table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long)
-        t = max(totals)
-        j = torch.arange(t)[None]  # [1, T] token index in the row
-        tot = torch.tensor(totals)[:, None]
-        valid = j < tot
-        jc = j.clamp(max=nb * bs - 1).expand(len(totals), t)  # [n_s, T]
-        gather = (table.gather(1, jc // bs) * bs + jc % bs).masked_fill(~valid, 0)  # [n_s, T]
         first = tuple(self.manager._seq(sid).first_live for sid, _ in rows)
+        # (a backend that reads gathered keys gets their slots from ``gather_index()``)
         return BlockTable(
             table=table.to(dev),
             block_size=bs,
             lengths=tuple(totals),
             offsets=(0,) * len(totals),
             first_block=first,
-            gather=gather.to(dev),
-            gather_positions=torch.where(valid, j, -1).to(dev),
         )
 
     def run(self, rows: Sequence[tuple[SeqId, int]], keep: Sequence[int] | None = None) -> Tensor:

@@ -73,11 +73,16 @@ def validate_request(
         )
 
 
-def check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
+def check_kv_dtype(
+    kv_dtype: str | None, specs: list[str], speculative: str | None = None
+) -> str | None:
     """The paged pool's ``kv_dtype`` (None for the model's dtype), checked.
 
     Raises:
-        ValueError: an unknown name, or a model without attention layers.
+        ValueError: an unknown name, a model without attention layers, or keys per
+            channel with speculative decoding (rejected drafts rewrite slots of a block
+            that may already be quantized: its keys would be rounded again and the output
+            would differ from plain decoding).
     """
     from attnlab.cache.paged.storage import PAGED_KV_DTYPES
 
@@ -85,11 +90,18 @@ def check_kv_dtype(kv_dtype: str | None, specs: list[str]) -> str | None:
         return None
     if kv_dtype not in PAGED_KV_DTYPES:
         raise ValueError(
-            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (the paged pool "
-            f"quantizes per token), got {kv_dtype!r}"
+            f"kv_dtype must be 'float' or one of {list(PAGED_KV_DTYPES)} (keys per token, "
+            f"or per channel in each block), got {kv_dtype!r}"
         )
     if "kv" not in specs:
         raise ValueError(f"kv_dtype={kv_dtype!r}: this model has no attention layers to cache")
+    if speculative is not None and kv_dtype.endswith("-channel"):
+        raise ValueError(
+            f"speculative={speculative!r} with kv_dtype={kv_dtype!r}: keys quantized per "
+            "channel over a block would be re-rounded when rejected drafts are rewritten, so "
+            "the output would differ from plain decoding; use kv_dtype 'int8'/'int4' (per "
+            "token) or no speculative decoding"
+        )
     return kv_dtype
 
 

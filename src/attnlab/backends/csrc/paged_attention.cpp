@@ -31,6 +31,7 @@
 namespace {
 
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kTransposeFrom = 4;  // queries of a tile from which keys are transposed
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -122,6 +123,104 @@ void one_query(const Args& a, int64_t b, int64_t w, std::vector<float>& acc,
   }
 }
 
+// The keys each query of row b sees: indices lo .. hi of the row (hi < lo: none).
+inline void key_range(const Args& a, int64_t b, int64_t w, int64_t& lo, int64_t& hi) {
+  const int64_t length = a.meta[b * 3], offset = a.meta[b * 3 + 1];
+  const int64_t t = a.q_pos[b * a.ps0 + w * a.ps1];
+  hi = std::min(length - 1, t - offset);
+  lo = a.meta[b * 3 + 2] * a.bs;
+  if (a.window >= 0) lo = std::max(lo, t - a.window - offset);
+}
+
+// Queries w0 .. w1 - 1 of row b, every head, over the row's key blocks in order. Each
+// block's keys are transposed once into kt [G, E, bs], so a query's scores against the
+// block are E vector multiply-adds across its keys; values are added across Ev.
+struct Work {
+  std::vector<float> kt, scores, q, m, l, acc;
+  Work(const Args& a)
+      : kt(a.G * a.E * a.bs), scores(a.bs), q(kQueryTile * a.H * a.E),
+        m(kQueryTile * a.H), l(kQueryTile * a.H), acc(kQueryTile * a.H * a.Ev) {}
+};
+
+void query_tile(const Args& a, int64_t b, int64_t w0, int64_t w1, Work& s) {
+  const int64_t rep = a.H / a.G, nq = w1 - w0, bs = a.bs;
+  int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = -1;
+  for (int64_t w = w0; w < w1; ++w) {
+    int64_t lo, hi;
+    key_range(a, b, w, lo, hi);
+    if (hi >= lo) {
+      lo_all = std::min(lo_all, lo);
+      hi_all = std::max(hi_all, hi);
+    }
+    for (int64_t h = 0; h < a.H; ++h) {  // the queries, contiguous, pre-scaled
+      const float* qv = a.q + b * a.qs0 + h * a.qs1 + w * a.qs2;
+      float* qd = s.q.data() + ((w - w0) * a.H + h) * a.E;
+      for (int64_t e = 0; e < a.E; ++e) qd[e] = qv[e * a.qs3] * a.scale;
+    }
+  }
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  for (int64_t blk = hi_all < 0 ? 1 : lo_all / bs; blk <= hi_all / bs && hi_all >= 0; ++blk) {
+    const int64_t base = a.table[b * a.nb + blk] * bs;
+    const int64_t b0 = std::max(lo_all, blk * bs), b1 = std::min(hi_all, blk * bs + bs - 1);
+    for (int64_t j = b0; j <= b1; ++j) {  // kt[g][e][j % bs]
+      const float* kr = a.k + (base + j % bs) * a.G * a.E;
+      for (int64_t g = 0; g < a.G; ++g)
+        for (int64_t e = 0; e < a.E; ++e) s.kt[(g * a.E + e) * bs + j % bs] = kr[g * a.E + e];
+    }
+    for (int64_t w = w0; w < w1; ++w) {
+      int64_t lo, hi;
+      key_range(a, b, w, lo, hi);
+      const int64_t j0 = std::max(lo, blk * bs), j1 = std::min(hi, blk * bs + bs - 1);
+      if (j1 < j0) continue;
+      const int64_t c0 = j0 % bs, n = j1 - j0 + 1;
+      for (int64_t h = 0; h < a.H; ++h) {
+        const int64_t i = (w - w0) * a.H + h;
+        const float* qd = s.q.data() + i * a.E;
+        const float* kt = s.kt.data() + (h / rep) * a.E * bs + c0;
+        float* sc = s.scores.data();
+        std::fill(sc, sc + n, 0.f);
+        for (int64_t e = 0; e < a.E; ++e) {
+          const float qe = qd[e];
+          const float* ke = kt + e * bs;
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) sc[j] += qe * ke[j];
+        }
+        float mb = s.m[i];
+        for (int64_t j = 0; j < n; ++j) mb = std::max(mb, sc[j]);
+        const float corr = std::exp(s.m[i] - mb);  // 0 on the first block (m = -inf)
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          sc[j] = std::exp(sc[j] - mb);
+          sum += sc[j];
+        }
+        s.l[i] = s.l[i] * corr + sum;
+        s.m[i] = mb;
+        float* ac = s.acc.data() + i * a.Ev;
+#pragma omp simd
+        for (int64_t e = 0; e < a.Ev; ++e) ac[e] *= corr;
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = sc[j];
+          const float* vh = a.v + ((base + c0 + j) * a.G + h / rep) * a.Ev;
+#pragma omp simd
+          for (int64_t e = 0; e < a.Ev; ++e) ac[e] += p * vh[e];
+        }
+      }
+    }
+  }
+  for (int64_t w = w0; w < w1; ++w) {
+    for (int64_t h = 0; h < a.H; ++h) {
+      const int64_t i = (w - w0) * a.H + h;
+      float* o = a.out + ((b * a.H + h) * a.L + w) * a.Ev;
+      const float inv = s.l[i] > 0.f ? 1.f / s.l[i] : 0.f;  // no key seen: zeros
+      const float* ac = s.acc.data() + i * a.Ev;
+#pragma omp simd
+      for (int64_t e = 0; e < a.Ev; ++e) o[e] = ac[e] * inv;
+    }
+  }
+}
+
 void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& table, const at::Tensor& q_pos, const at::Tensor& meta,
                      double scale, int64_t window, int64_t block_size, const at::Tensor& out) {
@@ -165,11 +264,16 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
               "output, table or meta of the wrong shape");
   const int64_t tiles = (a.L + kQueryTile - 1) / kQueryTile;
   at::parallel_for(0, B * tiles, 1, [&](int64_t begin, int64_t end) {
+    Work work(a);
     std::vector<float> acc(a.H * a.Ev), scores(a.H * a.bs), qbuf(a.H * a.E);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t tile = i % tiles, b = i / tiles;
-      const int64_t w1 = std::min(a.L, (tile + 1) * kQueryTile);
-      for (int64_t w = tile * kQueryTile; w < w1; ++w) one_query(a, b, w, acc, scores, qbuf);
+      const int64_t w0 = tile * kQueryTile, w1 = std::min(a.L, w0 + kQueryTile);
+      if (w1 - w0 >= kTransposeFrom) {
+        query_tile(a, b, w0, w1, work);  // a chunk: each block's keys transposed once
+      } else {
+        for (int64_t w = w0; w < w1; ++w) one_query(a, b, w, acc, scores, qbuf);
+      }
     }
   });
 }

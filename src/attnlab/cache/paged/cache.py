@@ -114,16 +114,14 @@ class PagedKVCache(KVCache):
                     f"the plan's backend {plan.backend.name!r} reads the pools directly"
                 )
             return KVView(kp, vp, None, plan.blocks)
-        gather, pos = plan.blocks.gather, plan.blocks.gather_positions
-        assert gather is not None and pos is not None
-        n, t = gather.shape
+        idx, pos = plan.blocks.gather_index()  # [n_s * T], [n_s, T]
+        n, t = pos.shape
         h = kp.shape[1]
         if storage.quantized:
-            kg, vg = storage.read(self.layer, gather.view(-1))  # [n_s*T, H_kv, h_d]
+            kg, vg = storage.read(self.layer, idx)  # [n_s*T, H_kv, h_d]
             keys = kg.view(n, t, h, -1).transpose(1, 2)
             return KVView(keys, vg.view(n, t, h, -1).transpose(1, 2), pos)
         # rows of a 2-d view: one contiguous copy per slot (3x faster than a 3-d select)
-        idx = gather.view(-1)
         keys = kp.view(kp.shape[0], -1).index_select(0, idx).view(n, t, h, -1).transpose(1, 2)
         values = vp.view(vp.shape[0], -1).index_select(0, idx).view(n, t, h, -1).transpose(1, 2)
         return KVView(keys, values, pos)  # [n_s, H_kv, T, h_d], slots [n_s, T]

@@ -94,9 +94,10 @@ class PagedKVPool:
             ``p - W + 1 .. p``, Mistral's convention), or None: after each step, a
             sequence's blocks wholly before its next query's window are returned to the
             pool, so a sequence holds at most ``ceil(W / bs) + 1`` blocks.
-        kv_dtype: None (pools in ``dtype``) or ``"int8"``/``"int4"``: keys and values
-            stored quantized per token (:class:`~attnlab.cache.paged.storage.KVStorage`),
-            dequantized in the gather.
+        kv_dtype: None (pools in ``dtype``), ``"int8"``/``"int4"`` (keys and values
+            stored quantized per token) or ``"int8-channel"``/``"int4-channel"`` (keys per
+            channel over each block, KIVI's layout; values per token), dequantized in the
+            gather (:class:`~attnlab.cache.paged.storage.KVStorage`).
 
     Raises:
         ValueError: a size that is not a positive int.
@@ -250,11 +251,16 @@ class PagedKVPool:
 
     def free(self, seq_id: SeqId) -> None:
         """See :meth:`KVManager.free`."""
+        s = self.manager.seqs.get(seq_id)
+        blocks = [] if s is None else list(s.blocks[s.first_live :])  # the ones it holds
         self.manager.free(seq_id)
+        # per-channel quantized keys: a block freed while filling drops its float copy
+        self.storage.drop_partial(b for b in blocks if self.allocator.refcount(b) == 0)
 
     def reset(self) -> None:
         """Free every sequence and end any step (prefix-cache blocks are kept)."""
         self.manager.reset()
+        self.storage.drop_partial(range(self.num_blocks))
         self.step = None
         self._implicit = False
         for c in self.layers:

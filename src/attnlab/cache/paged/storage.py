@@ -11,11 +11,13 @@ writes slots, copies blocks (copy-on-write) and says how many bytes a block cost
 With ``kv_dtype="int8"`` or ``"int4"`` the pools hold levels instead (int8 ``[N * bs,
 H_kv, h_d]``; int4 two levels a byte, ``[N * bs, H_kv, h_d / 2]``) and ``key_stats[i]``/
 ``value_stats[i]`` ``[N * bs, H_kv, 2]`` float32 the scale and zero point of each slot and
-head: keys and values quantized **per token** (a slot is written once and never again,
-so there is no float window and no group of tokens to share a per-channel scale, which
-KIVI's keys need: use :class:`~attnlab.cache.quantized.QuantizedKVCache` for those).
-:meth:`read` dequantizes the slots a step gathers; backends that read the pools
-directly are not used with quantized pools (:attr:`quantized`).
+head: keys and values quantized **per token**. With ``"int8-channel"``/``"int4-channel"``
+the keys are quantized **per channel** as KIVI quantizes them, one block a group: a
+block's keys stay in float while it fills and are quantized per head and channel over its
+``bs`` tokens when its last slot is written (:class:`~attnlab.cache.paged.channel_keys.
+ChannelKeys`; ``keys[i]`` are then its levels and ``key_stats`` is empty); values stay
+per token. :meth:`read` dequantizes the slots a step gathers; backends that read the
+pools directly are not used with quantized pools (:attr:`quantized`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from attnlab.cache.paged.channel_keys import ChannelKeys
 from attnlab.cache.quantized import _dequantize, _quantize
 from attnlab.functional._checks import check_positive_int
 
-#: the quantized storage kinds of a paged pool (per token; see the module docstring)
-PAGED_KV_DTYPES = ("int8", "int4")
+#: the quantized storage kinds of a paged pool: keys per token, or per channel in each
+#: block (values per token in both; see the module docstring)
+PAGED_KV_DTYPES = ("int8", "int4", "int8-channel", "int4-channel")
 
 __all__ = ["PAGED_KV_DTYPES", "KVStorage"]
 
@@ -45,9 +49,10 @@ class KVStorage:
         block_size: tokens per block ``bs``.
         dtype, device: of the pools.
         value_head_dim: ``h_v`` when it differs from ``h_d``.
-        kv_dtype: None (the pools hold ``dtype``) or ``"int8"``/``"int4"`` (levels and
+        kv_dtype: None (the pools hold ``dtype``), ``"int8"``/``"int4"`` (levels and
             per-slot scales; ``dtype`` is then what :meth:`read` returns and
-            :meth:`write` accepts).
+            :meth:`write` accepts) or ``"int8-channel"``/``"int4-channel"`` (keys per
+            channel in each block, values per token).
 
     Raises:
         ValueError: a size that is not a positive int, an unknown ``kv_dtype``, or an
@@ -91,7 +96,8 @@ class KVStorage:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.kv_dtype = kv_dtype
-        self.bits = {"int8": 8, "int4": 4}.get(kv_dtype or "", 0)
+        self.bits = {"int8": 8, "int4": 4}.get((kv_dtype or "").removesuffix("-channel"), 0)
+        self.key_mode = "channel" if (kv_dtype or "").endswith("-channel") else "token"
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         store = dtype
         kd, width_v = head_dim, vd
@@ -108,10 +114,25 @@ class KVStorage:
             torch.zeros(slots, num_kv_heads, width_v, dtype=store, device=device)
             for _ in range(num_layers)
         ]  # [N*bs, H_kv, h_v] each
+        self.channel_keys: list[ChannelKeys] = []
+        if self.key_mode == "channel":
+            self.channel_keys = [
+                ChannelKeys(
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    bits=self.bits,
+                    dtype=dtype,
+                    device=self._device,
+                )
+                for _ in range(num_layers)
+            ]
+            self.keys = [c.levels for c in self.channel_keys]
         n_stats = num_layers if self.bits else 0
         self.key_stats = [
             torch.zeros(slots, num_kv_heads, 2, dtype=torch.float32, device=device)
-            for _ in range(n_stats)
+            for _ in range(n_stats if self.key_mode == "token" else 0)
         ]  # [N*bs, H_kv, (scale, zero point)]
         self.value_stats = [
             torch.zeros(slots, num_kv_heads, 2, dtype=torch.float32, device=device)
@@ -128,16 +149,33 @@ class KVStorage:
         return self._device
 
     def _tensors(self) -> list[Tensor]:
-        return [*self.keys, *self.values, *self.key_stats, *self.value_stats]
+        """The tensors with one row per slot (per-channel keys keep their own)."""
+        keys = [] if self.channel_keys else self.keys
+        return [*keys, *self.values, *self.key_stats, *self.value_stats]
 
     def bytes_per_block(self) -> int:
-        """Bytes of one block over all layers (keys and values, with their scales)."""
+        """Bytes of one block over all layers (keys and values, with their scales; the
+        float keys of per-channel blocks being filled are not counted:
+        :meth:`stage_nbytes`)."""
         per_slot = sum(t[0].numel() * t.element_size() for t in self._tensors())
-        return per_slot * self.block_size
+        return per_slot * self.block_size + sum(c.bytes_per_block() for c in self.channel_keys)
+
+    def stage_nbytes(self) -> int:
+        """Bytes of the float keys held for per-channel blocks being filled (0 otherwise)."""
+        return sum(c.stage_nbytes() for c in self.channel_keys)
+
+    def drop_partial(self, blocks: Iterable[int]) -> None:
+        """Forget the float keys of freed ``blocks`` (per-channel keys only; else a no-op)."""
+        blocks = list(blocks)
+        for c in self.channel_keys:
+            c.drop(blocks)
 
     def copy_blocks(self, copies: Iterable[tuple[int, int]]) -> None:
         """Copy block ``src`` onto block ``dst`` in every layer, for each ``(src, dst)``."""
         bs = self.block_size
+        copies = list(copies)
+        for c in self.channel_keys:
+            c.copy_blocks(copies)
         for old, new in copies:
             src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
             for t in self._tensors():
@@ -155,10 +193,12 @@ class KVStorage:
             self.keys[layer].index_copy_(0, slots, key)
             self.values[layer].index_copy_(0, slots, value)
             return
-        for x, pool, stats in (
-            (key, self.keys[layer], self.key_stats[layer]),
-            (value, self.values[layer], self.value_stats[layer]),
-        ):
+        pairs = [(value, self.values[layer], self.value_stats[layer])]
+        if self.channel_keys:
+            self.channel_keys[layer].write(slots, key)
+        else:
+            pairs.insert(0, (key, self.keys[layer], self.key_stats[layer]))
+        for x, pool, stats in pairs:
             q, scale, low = _quantize(x, self.bits, dim=-1)  # per slot and head
             pool.index_copy_(0, slots, q)
             st = torch.cat([scale, scale if low is None else low], dim=-1)  # [n, H_kv, 2]
@@ -171,9 +211,14 @@ class KVStorage:
         if not self.bits:
             return kp.index_select(0, slots), vp.index_select(0, slots)
         out = []
-        for pool, stats in ((kp, self.key_stats[layer]), (vp, self.value_stats[layer])):
+        pairs = [(vp, self.value_stats[layer])]
+        if not self.channel_keys:
+            pairs.insert(0, (kp, self.key_stats[layer]))
+        for pool, stats in pairs:
             st = stats.index_select(0, slots)
             low = None if self.bits == 8 else st[..., 1:]
             q = pool.index_select(0, slots)
             out.append(_dequantize(q, st[..., :1], low, self.bits).to(self.dtype))
+        if self.channel_keys:
+            out.insert(0, self.channel_keys[layer].read(slots))
         return out[0], out[1]
