@@ -354,3 +354,31 @@ def test_rwkv7_reference_is_the_papers_update() -> None:
         ot, state = rwkv7_step(*args, state)
         torch.testing.assert_close(ot, o[:, :, t], **TOL[F64])
     torch.testing.assert_close(state, s, **TOL[F64])
+
+
+@pytest.mark.parametrize("per_token", [0.6, 0.7])
+def test_rwkv7_one_matmul_scores_and_sub_chunks_agree(per_token: float, monkeypatch) -> None:
+    """A 64-token chunk decaying 38.4 nats takes the one-matmul scores, 44.8 the
+    sub-chunked ones (``FACTORED_RANGE`` = 40); both equal the reference, with gradients."""
+    from attnlab.functional import rwkv7 as mod
+
+    calls = []
+    real = mod.intra_chunk_scores
+    monkeypatch.setattr(mod, "intra_chunk_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(7)
+    b, h, l, dk, dv = 1, 2, 70, 4, 3
+    q, k = (torch.randn(b, h, l, dk, generator=g, dtype=F64) for _ in range(2))
+    v = torch.randn(b, h, l, dv, generator=g, dtype=F64)
+    kappa = F.normalize(torch.randn(b, h, l, dk, generator=g, dtype=F64), dim=-1)
+    gk = torch.full((b, h, l, dk), -per_token, dtype=F64)
+    xs = [x.requires_grad_(True) for x in (q, k, v, -kappa, kappa * 0.5, gk)]
+    o_ref, s_ref = rwkv7_reference(*xs)
+    o, s = rwkv7_chunked(*xs, chunk_size=64)
+    assert bool(calls) == (per_token * 64 > mod.FACTORED_RANGE)
+    torch.testing.assert_close(o, o_ref, **TOL[F64])
+    torch.testing.assert_close(s, s_ref, **TOL[F64])
+    w = torch.randn(o.shape, generator=g, dtype=F64)
+    grads = torch.autograd.grad((o * w).sum() + s.sum(), xs)
+    want = torch.autograd.grad((o_ref * w).sum() + s_ref.sum(), xs)
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, **TOL[F64])

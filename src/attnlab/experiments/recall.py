@@ -266,6 +266,7 @@ def run(
     progress: bool = True,
     kinds: Sequence[str] | None = None,
     lrs: Sequence[float] | None = None,
+    widths: Sequence[int] | None = None,
 ) -> ExperimentResult:
     """Train every architecture at every width on MQAR and score it.
 
@@ -275,6 +276,8 @@ def run(
             run_experiments_full.sh``); the verdict needs ``"attention"`` among them.
         lrs: a subset of the swept learning rates (default all), likewise; :func:`combine`
             merges the sweeps and chooses each model's rate over all of them.
+        widths: a subset of the run's widths (default all), likewise (a full sweep run as
+            one process per model, width and rate, ``scripts/recall_sweep.py``).
     """
     s = _settings(quick, smoke)
     if kinds is not None:
@@ -287,6 +290,11 @@ def run(
         if unknown_lr or not lrs:
             raise ValueError(f"lrs {list(lrs)!r}: choose among {list(s['lrs'])}")
         s["lrs"] = tuple(lrs)
+    if widths is not None:
+        unknown_w = [w for w in widths if w not in s["widths"]]
+        if unknown_w or not widths:
+            raise ValueError(f"widths {list(widths)!r}: choose among {list(s['widths'])}")
+        s["widths"] = tuple(widths)
     t0 = time.perf_counter()
     data = MQAR(keys=s["keys"], pairs=s["pairs"], seed=seed)
     ids, labels = data.draw(s["eval"], 1 << 41)
@@ -337,7 +345,7 @@ def combine(folders: Sequence[Path], out: Path) -> ExperimentResult:
     parts = [json.loads((Path(f) / "results.json").read_text()) for f in folders]
     if not parts:
         raise ValueError("no result folders to combine")
-    per_run = ("kinds", "sweep", "best_lr", "lrs")  # what each process holds of its own
+    per_run = ("kinds", "sweep", "best_lr", "lrs", "widths")  # each process's own
     s = {k: v for k, v in parts[0]["settings"].items() if k not in per_run}
     sweep: dict[str, dict[str, dict[str, Any]]] = {}
     acc: dict[str, dict[int, float]] = {}
@@ -349,8 +357,10 @@ def combine(folders: Sequence[Path], out: Path) -> ExperimentResult:
             for w, runs in by_w.items():
                 sweep.setdefault(kind, {}).setdefault(w, {}).update(runs)
         for row in part["rows"]:  # runs from before the sweep: one rate, no sweep record
-            acc[row["model"]] = {w: row[f"width {w}"] for w in s["widths"]}
+            by_w = acc.setdefault(row["model"], {})
+            by_w.update({w: row[f"width {w}"] for w in part["settings"]["widths"]})
     full = _settings(parts[0]["quick"], False)
+    s["widths"] = sorted({w for p in parts for w in p["settings"]["widths"]})
     lrs = sorted({float(lr) for by_w in sweep.values() for r in by_w.values() for lr in r})
     s["lrs"] = lrs or [LR]
     s["best_lr"] = {}
@@ -381,7 +391,7 @@ def _result(
     rows = [
         {
             "model": k,
-            **{f"width {w}": acc[k][w] for w in s["widths"]},
+            **{f"width {w}": acc[k].get(w) for w in s["widths"]},  # None: not run
             **{f"lr at {w}": best.get(k, {}).get(str(w)) for w in s["widths"]},
         }
         for k in acc
@@ -413,8 +423,10 @@ def _verdict(acc: dict[str, dict[int, float]], s: dict[str, Any]) -> tuple[str, 
         return "no attention model in this run: nothing to compare", None
     widths = list(s["widths"])
     ref = min((w for w in widths if w >= 64), default=widths[0])
+    if ref not in acc["attention"]:
+        return f"attention was not run at the reference width {ref}: nothing to compare", None
     att = acc["attention"][ref]
-    others = {k: v[ref] for k, v in acc.items() if k != "attention"}
+    others = {k: v[ref] for k, v in acc.items() if k != "attention" and ref in v}
     # rule 1 (Zoology): the fixed-state models of Figure 2's kind fall short of attention
     short = {k: a for k, a in others.items() if k not in LINEAR_KINDS}
     agrees = att >= 0.9 and all(a <= att - 0.1 for a in short.values())
@@ -430,7 +442,8 @@ def _verdict(acc: dict[str, dict[int, float]], s: dict[str, Any]) -> tuple[str, 
             + f" at least {DELTA_MARGIN:.0%} more than Mamba at width {ref}."
         )
     by_width = "; ".join(
-        f"{k}: " + ", ".join(f"{v[w]:.0%}" for w in widths) for k, v in acc.items()
+        f"{k}: " + ", ".join(f"{v[w]:.0%}" if w in v else "not run" for w in widths)
+        for k, v in acc.items()
     )
     verdict = (
         f"{s['pairs']} pairs per sequence, {s['steps']} steps: at width {ref} attention "

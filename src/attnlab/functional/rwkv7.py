@@ -13,8 +13,14 @@ token ``i``): the reads solve one unit lower-triangular system per chunk,
 ``(I - A_ab) U = (a . G_{i-1}) S_0 + A_ak V`` with
 ``A_xy[i, j] = sum_d x_id y_jd G_{i-1,d} / G_{j,d}`` for ``j < i``, and
 ``o_i = (q_i . G_i)^T S_0 + sum_{j<=i} A_qk[i, j] v_j + A_qb[i, j] u_j`` (inclusive decays).
-The decayed scores come from :func:`attnlab.functional.gla.intra_chunk_scores`, whose
-exponents are all ``<= 0``.
+Where every chunk decays by at most ``FACTORED_RANGE`` nats in each key dimension
+(RWKV-7's ``gk >= -e^{-0.5}`` keeps a 64-token chunk within 39), the four score matrices
+are one matmul per chunk: ``e^{G_i - G_j}`` factors into a row and a column part about
+the chunk's mid decay, ``(x_i e^{g_i - m}) . (y_j e^{m - G_j})``, each exponent within
+half the range (no overflow; the product keeps float precision, and the masked entries
+are dropped with ``where``, not multiplied). Otherwise the scores come from
+:func:`attnlab.functional.gla.intra_chunk_scores` (sub-chunks whose exponents are all
+``<= 0``). Both give the same values.
 
 Shape notation: ``B`` batch, ``H`` heads, ``L`` tokens, ``K`` key dim, ``V`` value dim,
 ``T`` chunk size. Padding: where ``mask`` is 0 the token is skipped (no decay, no write).
@@ -30,6 +36,33 @@ from attnlab.functional._scan_checks import check_chunk_size, check_float, check
 from attnlab.functional.gla import intra_chunk_scores
 
 __all__ = ["rwkv7_chunked", "rwkv7_reference", "rwkv7_step"]
+
+#: the largest decay (nats, per key dimension) over one chunk for the one-matmul scores:
+#: their factors stay within e^{+-20}, the dropped entries within e^{40}
+FACTORED_RANGE = 40.0
+
+
+def _scores(
+    qc: Tensor, kc: Tensor, ac: Tensor, bc: Tensor, gc: Tensor, ge: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(A_qk, A_qb, A_ak, A_ab)`` of one chunk step, each ``[B, H, nc, T, T]``."""
+    T = qc.shape[-2]
+    if T == 1 or float(gc[..., -1, :].detach().min()) < -FACTORED_RANGE:
+        return (
+            intra_chunk_scores(qc, kc, gc),
+            intra_chunk_scores(qc, bc, gc),
+            intra_chunk_scores(ac, kc, ge, gc, strict=True),
+            intra_chunk_scores(ac, bc, ge, gc, strict=True),
+        )
+    mid = (gc[..., -1:, :] / 2).detach()  # [B, H, nc, 1, K]; the result does not depend on it
+    col = (mid - gc).exp()  # [B, H, nc, T, K]
+    rows = torch.cat((qc * (gc - mid).exp(), ac * (ge - mid).exp()), dim=-2)  # [.., 2T, K]
+    cols = torch.cat((kc * col, bc * col), dim=-2)  # [.., 2T, K]
+    s = rows @ cols.transpose(-1, -2)  # [B, H, nc, 2T, 2T]
+    incl = torch.ones(T, T, dtype=torch.bool, device=qc.device).tril()
+    keep = torch.cat((incl.repeat(1, 2), incl.tril(-1).repeat(1, 2)), dim=0)  # [2T, 2T]
+    s = torch.where(keep, s, s.new_zeros(()))
+    return s[..., :T, :T], s[..., :T, T:], s[..., T:, :T], s[..., T:, T:]
 
 
 def _check(
@@ -166,10 +199,7 @@ def rwkv7_chunked(
     g_own = chunks(gk)
     gc = g_own.cumsum(-2)  # log G_i
     ge = gc - g_own  # log G_{i-1}: the decay before token i's own
-    qk = intra_chunk_scores(qc, kc, gc)
-    qb = intra_chunk_scores(qc, bc, gc)
-    ak = intra_chunk_scores(ac, kc, ge, gc, strict=True)
-    ab = intra_chunk_scores(ac, bc, ge, gc, strict=True)
+    qk, qb, ak, ab = _scores(qc, kc, ac, bc, gc, ge)
     # U = (I - A_ab)^{-1} (A_ak V + (a . G_{i-1}) S_0) = w_v + w_s S_0
     w_v = torch.linalg.solve_triangular(-ab, ak @ vc, upper=False, unitriangular=True)
     w_s = torch.linalg.solve_triangular(-ab, ac * ge.exp(), upper=False, unitriangular=True)
