@@ -73,7 +73,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in lists
 class Request:
     """A request in the engine: its prompt, parameters and choices."""
 
@@ -97,7 +97,7 @@ class Request:
         )
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a field-by-field == per lookup is slow
 class Seq:
     """One choice of a request: the sequence the scheduler runs and the sampler extends."""
 
