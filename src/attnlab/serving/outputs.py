@@ -119,6 +119,11 @@ class Seq:
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
 
+    @property
+    def num_tokens(self) -> int:
+        """``len(tokens)``, without building the list."""
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
 
 def run_offline(
     engine: Any,
