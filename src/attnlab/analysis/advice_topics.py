@@ -332,7 +332,10 @@ def latency_rec(s: Search) -> Recommendation | None:
             f"{what}: about {best.ms:.0f} ms ({speed}), within {budget_ms:g} ms",
         )
     half = max(1, spec.num_layers // 2)
-    small = s.costed(spec.with_(num_layers=half), best.window, best.dtype, best.checkpointing)
+    # a local/global layout keeps its pattern: the first half of its layers
+    windows = None if spec.layer_windows is None else spec.layer_windows[:half]
+    fewer = spec.with_(num_layers=half, layer_windows=windows)
+    small = s.costed(fewer, best.window, best.dtype, best.checkpointing)
     return Recommendation(
         "latency",
         "over budget: distil or shorten the input",
