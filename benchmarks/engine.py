@@ -147,16 +147,18 @@ def decode_latency(model: torch.nn.Module, streams: int, context: int, steps: in
     """Median wall ms of a step in which every one of ``streams`` sequences decodes."""
     rng = random.Random(0)
     vocab = model.config.vocab_size  # type: ignore[union-attr]
-    length = context + steps + 8
+    # the first sequences decode while the last ones prefill: room for all of it
+    max_tokens = steps + 4 + streams * (-(-context // 2048) + 1)
+    length = context + max_tokens + 8
     engine = Engine(
         model, _IdTokenizer(), max_num_seqs=streams, max_model_len=length,
         max_num_batched_tokens=2048, num_blocks=streams * (-(-length // 16) + 1),
     )  # fmt: skip
-    p = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(streams):
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(context)], p)
     times = []
-    while engine.has_work():
+    while engine.has_work() and len(times) <= steps:
         decoding = (
             len(engine.running) == streams
             and not engine.waiting

@@ -412,7 +412,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2, help="attnlab's torch threads")
+    # vLLM's CPU build runs one compute thread (it reduces torch's threads to 1 for serving):
+    # attnlab gets as many by default, the client the other core
+    ap.add_argument("--threads", type=int, default=1, help="attnlab's torch threads")
     ap.add_argument(
         "--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: its auto)"
     )

@@ -98,3 +98,15 @@ def test_generation_total_counts_the_kv_cache_it_reasons_with() -> None:
         line.strip() for line in a.summary().splitlines() if line.strip().startswith("total:")
     ]
     assert totals == [f"total: {human_bytes(a.total_bytes)} (fits)"]
+
+
+def test_a_local_global_layout_over_its_latency_budget_halves_its_layers() -> None:
+    """Gemma 2's alternating local/global layers: the distilled half keeps the pattern."""
+    gemma = preset("gemma-2-2b")
+    a = advise("generation", seq_len=2048, memory_gb=64, latency_ms=5, base=gemma)
+    (latency,) = [r for r in a.recommendations if r.topic == "latency"]
+    assert latency.choice.startswith("over budget")
+    half = re.search(r"half the layers \((\d+), .*\) about (\d+) ms", latency.reason)
+    assert half is not None and int(half.group(1)) == gemma.num_layers // 2
+    full = re.search(r"about (\d+) ms", latency.reason)
+    assert full is not None and 0 < int(half.group(2)) < int(full.group(1))

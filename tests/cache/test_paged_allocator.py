@@ -9,6 +9,7 @@ import torch
 
 from attnlab.cache import BlockAllocator, OutOfBlocks, PagedKVPool
 from attnlab.cache.paged import block_hash
+from attnlab.cache.paged.manager import FREED, KVManager
 
 
 def test_allocator_states_and_lru_eviction() -> None:
@@ -73,6 +74,17 @@ def _write_and_read(pool: PagedKVPool, rows: list[tuple[int, int]]) -> dict[int,
 
 
 OPS = 100_000
+
+
+def _stored_slots(m: KVManager) -> int:
+    """Filled slots of the held blocks, block by block (a shared block counted once)."""
+    fill: dict[int, int] = {}
+    for s in m.seqs.values():
+        for i, blk in enumerate(s.blocks):
+            n = min(m.block_size, max(0, s.computed - i * m.block_size))
+            if blk != FREED and n >= fill.get(blk, 0):
+                fill[blk] = n
+    return sum(fill.values())
 
 
 def test_pool_fuzz_100k_operations() -> None:
@@ -147,6 +159,7 @@ def test_pool_fuzz_100k_operations() -> None:
             for blk in range(pool.num_blocks):
                 assert pool.allocator.refcount(blk) == holders.get(blk, 0)
             pool.allocator.check()
+            assert pool.stored_slots() == _stored_slots(pool.manager)
     assert steps > 1000 and pool.allocator.hits > 1000 and pool.copies > 100
     for sid in list(model.tokens):
         pool.free(sid)

@@ -1,5 +1,6 @@
-"""The paged pool stored in int8/int4 (per token): the storage against a float64 reference,
-paged decoding equal to the contiguous per-token-quantized cache, the engine's kv_dtype."""
+"""The paged pool stored in int8/int4, keys per token or per channel over each block: the
+storage against a float64 reference, paged decoding equal to the contiguous quantized
+cache of the same layout."""
 
 from __future__ import annotations
 

@@ -118,3 +118,39 @@ def test_sink_window_refusals(
     assert main(["generate", *extra, "--ids", "1 2"]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "want"), [([], None), (["--no-compile"], False), (["--compile"], True)]
+)
+def test_compile_defaults_to_generates_own_rule(
+    flag: list[str], want: bool | None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from attnlab.generation import compiled
+    from attnlab.models.lm_shell import CausalLMShell
+
+    seen: dict[str, object] = {}
+    real = CausalLMShell.stream
+
+    def spy(self: object, *args: object, **kwargs: object) -> object:
+        seen["compile"] = kwargs["compile"]
+        if kwargs["compile"]:  # stands for a compile: the report the CLI must show
+            records = self.__dict__.setdefault("_compile_records", [])  # type: ignore[attr-defined]
+            records.append(compiled.CompileRecord(1, 128, 12.5))
+        kwargs["compile"] = False
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CausalLMShell, "stream", spy)
+    args = ["generate", "--random", "llama", "--ids", "1 2 3", "--max-new-tokens", "3", "--json"]
+    assert main([*args, *flag]) == 0
+    assert seen["compile"] is want
+    captured = capsys.readouterr()
+    import json
+
+    report = json.loads(captured.out)["compile"]
+    if want:
+        assert report == [{"batch_size": 1, "cache_slots": 128, "seconds": 12.5}]
+        assert "compiled the decode step in 12.5 s" in captured.err
+    else:
+        assert report == [] and "compiled" not in captured.err

@@ -165,3 +165,52 @@ def test_bad_inputs_are_named() -> None:
     )
     with pytest.raises(TypeError, match="MambaLM, RWKVLM or RetNetLM, got DecoderLM"):
         as_decoder(DecoderLM(small))  # type: ignore[arg-type]
+
+
+def _rwkv() -> RWKVLM:
+    torch.manual_seed(0)
+    cfg = RWKVConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, chunk_size=4)
+    return _perturbed(RWKVLM(cfg))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _mamba(1), lambda: _mamba(2), _rwkv, _retnet],
+    ids=["mamba", "mamba2", "rwkv", "retnet"],
+)
+def test_the_recurrent_models_are_decoder_presets_with_their_own_names(make: object) -> None:
+    """MambaLM, RWKVLM and RetNetLM are DecoderLMs (one forward, cache and serving step)
+    that keep their own config and checkpoint names."""
+    from attnlab.interop.hf import converter_for
+    from attnlab.models.recurrent_presets import checkpoint_key, shell_key
+
+    model = make()  # type: ignore[operator]
+    assert isinstance(model, DecoderLM) and isinstance(model.decoder_config, DecoderConfig)
+    assert not isinstance(model.config, DecoderConfig)  # MambaConfig / RetNetConfig
+    shell = as_decoder(model).state_dict()
+    names = list(model.state_dict())
+    assert len(names) == len(shell) and not any(".self_attention." in k for k in names)
+    parts = type(model).checkpoint_parts
+    assert sorted(shell_key(k, parts) for k in names) == sorted(shell)  # type: ignore[type-var]
+    assert all(shell_key(checkpoint_key(k, parts), parts) == k for k in shell)
+    # a state dict of checkpoint names loads back (strict), into a new model of the class
+    other = type(model)(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids).logits, model(ids).logits, atol=0, rtol=0)
+    # to_hf picks the model's own converter (RetNet has none), never a Llama's
+    conv = converter_for(model)
+    assert conv is None or issubclass(conv.attnlab_class, type(model))
+
+
+def test_a_recurrent_decode_step_is_never_compiled() -> None:
+    """The compiled decode step runs over a static KV cache: a model whose layers carry a
+    recurrent state decodes eagerly by default and refuses compile=True by name."""
+    from attnlab.generation.compiled import compile_decision
+
+    model = _mamba(1)
+    decision = compile_decision(model, 1000)
+    assert not decision.compile and "recurrent state" in decision.reason
+    with pytest.raises(ValueError, match="MambaLM has layers that carry a recurrent state"):
+        compile_decision(model, 1000, compile=True)

@@ -31,6 +31,14 @@ def _linear(k: int = 64, n: int = 32, bias: bool = True) -> nn.Linear:
     return nn.Linear(k, n, bias=bias)
 
 
+def _skip_without(kernel: str) -> None:
+    from attnlab.backends.qmatmul_cpu import unavailable
+
+    why = unavailable() if kernel == "fused" else None
+    if why is not None:  # a machine without a C compiler: the kernel is not offered
+        pytest.skip(why)
+
+
 def test_int8_rounding_is_within_half_a_step() -> None:
     w = torch.randn(16, 64)
     for g in (None, 32):
@@ -61,11 +69,16 @@ def test_int4_rounding_and_nibble_packing() -> None:
         ("int4", 32, "int4pack"),
         ("int4", 64, "int4pack"),
         ("int4", 32, "dequant"),
+        ("int8", None, "fused"),
+        ("int8", 32, "fused"),
+        ("int4", 32, "fused"),
+        ("int4", 64, "fused"),
     ],
 )
 def test_kernels_match_the_float64_reference(
     layer_kind: str, group: int | None, kernel: str
 ) -> None:
+    _skip_without(kernel)
     lin = _linear()
     spec = LinearSpec(layer_kind, group, kernel=kernel, compute="float32")
     layer = convert_linear(lin, spec)
@@ -82,9 +95,10 @@ def test_kernels_match_the_float64_reference(
     assert float((y.double() - ref).abs().max()) <= float(bound)
 
 
-@pytest.mark.parametrize("kernel", ["int8pack", "int4pack", "dequant"])
+@pytest.mark.parametrize("kernel", ["int8pack", "int4pack", "dequant", "fused"])
 def test_bfloat16_compute_is_within_bfloat16_rounding(kernel: str) -> None:
-    kind = "int4" if kernel == "int4pack" else "int8"
+    _skip_without(kernel)
+    kind = "int4" if kernel in ("int4pack", "fused") else "int8"
     layer = convert_linear(_linear(bias=False), LinearSpec(kind, kernel=kernel, compute="bfloat16"))
     x = torch.randn(4, 64)
     ref = x.double() @ layer.dequantize(torch.float64).T

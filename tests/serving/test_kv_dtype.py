@@ -3,6 +3,7 @@ contiguous per-token-quantized cache; unsupported kv_dtypes are refused by name.
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from attnlab.cache.quantized import QuantizedKVCache
+from attnlab.cli import serve
 from attnlab.cli.main import main
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
@@ -77,3 +79,7 @@ def test_refusals(tokenizer: Any, capsys: pytest.CaptureFixture[str]) -> None:
         Engine(mamba, tokenizer, max_model_len=64, kv_dtype="int8")
     assert main(["serve", "--kv-dtype", "fp8"]) == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--kv-dtype", "int4-channel"])  # KIVI's keys, by name
+    assert args.kv_dtype == "int4-channel"

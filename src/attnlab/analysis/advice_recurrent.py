@@ -11,8 +11,7 @@ of the cache plus the Mamba layers' states.
 
 from __future__ import annotations
 
-from typing import Any
-
+from attnlab.analysis.advice_plan import Recommendation
 from attnlab.analysis.arch import ArchSpec
 from attnlab.analysis.cost import human_bytes
 from attnlab.analysis.cost_recurrent import state_bytes
@@ -47,10 +46,8 @@ def state_space_comparison(
 
 def state_space_recommendation(
     spec: ArchSpec, *, seq_len: int, batch_size: int, bytes_per_element: int, task: str
-) -> Any:
+) -> Recommendation | None:
     """A ``state_space`` :class:`~attnlab.analysis.advisor.Recommendation` for causal LMs, else None."""
-    from attnlab.analysis.advisor import Recommendation
-
     if not spec.causal or not spec.lm_head:
         return None
     c = state_space_comparison(

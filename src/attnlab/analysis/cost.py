@@ -37,6 +37,7 @@ one on local layers, a growing one on global layers, as ``DecoderLM.new_cache`` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from attnlab._validate import check_int, check_positive_int
@@ -47,19 +48,16 @@ from attnlab.analysis.cost_attention import (
     group_label,
     self_attention,
 )
-from attnlab.analysis.cost_kv import check_kv_dtype, quantized_kv_bytes
+from attnlab.analysis.cost_kv import check_kv_dtype, kv_cache_bytes
 from attnlab.analysis.cost_layers import (
     BACKEND_TRAITS,
     ELEMENTWISE_FLOPS,
-    TILED,
     BackendTraits,
-    LayerShape,
-    layer_flops,
     parameter_count,
     register_backend_traits,
     traits_of,
 )
-from attnlab.analysis.cost_memory import activations
+from attnlab.analysis.cost_memory import activation_peaks
 from attnlab.analysis.cost_report import (
     ComponentCost,
     CostReport,
@@ -68,6 +66,7 @@ from attnlab.analysis.cost_report import (
     human_bytes,
     human_flops,
 )
+from attnlab.analysis.cost_work import Work, head_work, stack_work
 from attnlab.analysis.moe_cost import active_parameter_count, all_to_all_bytes
 
 __all__ = [
@@ -86,18 +85,6 @@ __all__ = [
 ]
 
 Mode = Literal["inference", "training", "decode"]
-
-COMPONENTS = (
-    "embeddings",
-    "projections",
-    "attention_scores",
-    "softmax",
-    "attention_v",
-    "feed_forward",
-    "norms",
-    "lm_head",
-    "pooler",
-)
 
 
 def _check_arguments(
@@ -129,15 +116,6 @@ def _check_arguments(
         raise ValueError(
             f"optimizer must be 'adamw', 'adam', 'sgd', 'momentum' or None, got {optimizer!r}"
         )
-
-
-def _backward_factor(component: str, traits: BackendTraits, checkpointing: bool) -> float:
-    """The backward pass's FLOPs over the forward's, for one component."""
-    attn = component in ("attention_scores", "attention_v")
-    factor = traits.backward_factor if attn else 2.0
-    if checkpointing and component not in ("lm_head", "pooler", "embeddings"):
-        factor += 1.0  # the forward of each layer runs again during backward
-    return factor
 
 
 def _optimizer_bytes(n_params: int, bpe: int, optimizer: str | None, notes: list[str]) -> int:
@@ -224,9 +202,9 @@ def estimate(
         TypeError: an object no adapter describes.
     """
     spec = describe(config_or_model)
-    sizes = {"batch_size": batch_size, "seq_len": seq_len, "new_tokens": new_tokens}
     _check_arguments(
-        sizes=sizes | {"expert_parallel": expert_parallel},
+        sizes={"batch_size": batch_size, "seq_len": seq_len, "new_tokens": new_tokens}
+        | {"expert_parallel": expert_parallel},
         window=window,
         cache_capacity=cache_capacity,
         target_len=target_len,
@@ -237,7 +215,156 @@ def estimate(
     if window is not None:
         spec = spec.with_(window=window, causal=True, layer_windows=None)
     windowed = spec.window is not None or spec.layer_windows is not None
-    if cache is None:  # what DecoderLM.new_cache() builds (per layer)
+    cache = _cache_kind(cache, mode=mode, windowed=windowed)
+    kv_dtype = check_kv_dtype(kv_dtype, mode, cache)
+    request = _Request(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        mode=mode,
+        dtype=_dtype(dtype),
+        backend=backend,
+        new_tokens=new_tokens,
+        target_len=target_len,
+        checkpointing=checkpointing,
+        optimizer=optimizer,
+        mask=mask,
+        masked=masked,
+        cache=cache,
+        cache_capacity=cache_capacity,
+        kv_dtype=kv_dtype,
+        expert_parallel=expert_parallel,
+    )
+    return _cost(spec, request, windowed=windowed)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The arguments of :func:`estimate`, checked (``dtype``: its name and bytes)."""
+
+    batch_size: int
+    seq_len: int
+    mode: str
+    dtype: tuple[str, int]
+    backend: str
+    new_tokens: int
+    target_len: int | None
+    checkpointing: bool
+    optimizer: str | None
+    mask: Any
+    masked: bool | None
+    cache: str
+    cache_capacity: int | None
+    kv_dtype: str | None
+    expert_parallel: int
+
+    @property
+    def training(self) -> bool:
+        return self.mode == "training"
+
+    @property
+    def decode(self) -> bool:
+        return self.mode == "decode"
+
+
+def _cost(spec: ArchSpec, req: _Request, *, windowed: bool) -> CostReport:
+    """The cost of one request: the layers' groups, their work, then the memory."""
+    (dtype_name, bpe), training, decode = req.dtype, req.training, req.decode
+    encdec = spec.num_decoder_layers > 0
+    # -- the self-attention of the (decoder or encoder) stack, one group per window
+    spec, self_len = _self_attention_length(spec, req.seq_len, req.target_len, decode=decode)
+    groups = _window_groups(spec, req, self_len)
+    main = groups[0]
+    masked = req.masked
+    if masked is None:
+        masked = req.mask is not None or spec.causal or windowed or spec.pattern_density is not None
+    notes = _backend_notes(groups, req.backend)
+    # -- work
+    work = Work(training=training, checkpointing=req.checkpointing, masked=bool(masked))
+    n_self, extra = stack_work(
+        work, spec, groups, batch_size=req.batch_size, seq_len=req.seq_len, decode=decode
+    )
+    tokens = req.batch_size * main.shape.lq
+    head_work(work, spec, main.traits, tokens=tokens, batch=req.batch_size)
+    # -- memory
+    n_params = parameter_count(spec)
+    param_bytes = n_params * bpe
+    grad_bytes = n_params * bpe if training else 0
+    opt_bytes = _optimizer_bytes(n_params, bpe, req.optimizer, notes) if training else 0
+    kv_bytes = _decode_kv_bytes(spec, groups, req, self_len, notes) if decode else 0
+    score_pairs = req.batch_size * spec.num_heads * main.shape.lq * max(g.shape.s for g in groups)
+    variants, act, comps = activation_peaks(
+        groups,
+        bpe,
+        req.mode,
+        n_self,
+        checkpointing=req.checkpointing,
+        head_tokens=tokens,
+        extra=extra,
+        mixed=not encdec,
+    )
+    chosen = int(act)
+    by = work.by_component
+    for name, b in comps.items():
+        by[name].activation_bytes += b
+    total = param_bytes + grad_bytes + opt_bytes + kv_bytes + chosen
+    density = _density(spec, groups, req.mask, notes)
+    a2a = _moe_traffic(spec, tokens, req.expert_parallel, bpe, training, notes)
+    return CostReport(
+        arch=spec,
+        mode=req.mode,
+        batch_size=req.batch_size,
+        seq_len=req.seq_len,
+        new_tokens=req.new_tokens if decode else 0,
+        dtype=dtype_name,
+        backend=main.backend
+        if len(groups) == 1
+        else "+".join(dict.fromkeys(g.backend for g in groups)),
+        checkpointing=req.checkpointing and training,
+        by_component=by,
+        flops=sum(c.flops for c in by.values()),
+        matmul_flops=sum(c.matmul_flops for c in by.values()),
+        forward_matmul_flops=work.forward_matmul_flops,
+        attention_density=density,
+        parameter_count=n_params,
+        parameter_bytes=param_bytes,
+        gradient_bytes=grad_bytes,
+        optimizer_bytes=opt_bytes,
+        kv_cache_bytes=kv_bytes,
+        activation_bytes=chosen,
+        activation_variants=variants,
+        score_matrix_bytes=int(score_pairs * (4 if bpe < 4 else bpe)),
+        total_bytes=int(total),
+        notes=notes,
+        active_parameter_count=active_parameter_count(spec, n_params),
+        all_to_all_bytes=a2a,
+        layer_backends={group_label(g): g.backend for g in groups} if len(groups) > 1 else {},
+    )
+
+
+def _decode_kv_bytes(
+    spec: ArchSpec, groups: list[LayerGroup], req: _Request, self_len: int, notes: list[str]
+) -> int:
+    """The KV caches after one decoding step: each window group's self-attention cache
+    (an encoder-decoder's decoder: one), and an encoder-decoder's float cross caches."""
+    encdec = spec.num_decoder_layers > 0
+    if req.kv_dtype is not None:
+        notes.append(f"KV cache in {req.kv_dtype} (KIVI: keys per channel, values per token)")
+    return kv_cache_bytes(
+        spec,
+        [(spec.num_decoder_layers, groups[0].cache_slots)]
+        if encdec
+        else [(g.count, g.cache_slots) for g in groups],
+        batch_size=req.batch_size,
+        context=self_len + req.new_tokens,
+        kv_dtype=req.kv_dtype,
+        bytes_per_element=req.dtype[1],
+        cross_len=req.seq_len if encdec else 0,
+    )
+
+
+def _cache_kind(cache: str | None, *, mode: str, windowed: bool) -> str:
+    """The decoding cache by name: what ``DecoderLM.new_cache()`` builds when None."""
+    if cache is None:
         cache = "sliding" if windowed else "dynamic"
     if cache == "contiguous":
         cache = "dynamic"
@@ -245,159 +372,58 @@ def estimate(
         raise ValueError(f"cache must be 'dynamic', 'static' or 'sliding', got {cache!r}")
     if mode == "decode" and cache == "sliding" and not windowed:
         raise ValueError("cache='sliding' needs a window (config or window=)")
-    kv_dtype = check_kv_dtype(kv_dtype, mode, cache)
-    dtype_name, bpe = _dtype(dtype)
-    training = mode == "training"
-    notes: list[str] = []
+    return cache
 
-    # -- the self-attention shape of the (decoder or encoder) stack, one per window group;
-    # an encoder-decoder's decoder runs over target_len tokens (decode: target_len decoded)
-    decode = mode == "decode"
-    encdec = spec.num_decoder_layers > 0
-    self_len = seq_len
-    if encdec:
-        self_len = target_len if target_len is not None else (0 if decode else seq_len)
-        if self_len < 0 or (self_len == 0 and not decode):
-            raise ValueError(f"target_len must be a positive int, got {target_len!r}")
-        spec = spec.with_(causal=True)  # the decoder's self-attention
+
+def _self_attention_length(
+    spec: ArchSpec, seq_len: int, target_len: int | None, *, decode: bool
+) -> tuple[ArchSpec, int]:
+    """The spec of the self-attention stack and its tokens: an encoder-decoder's decoder
+    runs over ``target_len`` tokens (decode: ``target_len`` decoded so far), causally."""
+    if spec.num_decoder_layers == 0:
+        return spec, seq_len
+    self_len = target_len if target_len is not None else (0 if decode else seq_len)
+    if self_len < 0 or (self_len == 0 and not decode):
+        raise ValueError(f"target_len must be a positive int, got {target_len!r}")
+    return spec.with_(causal=True), self_len
+
+
+def _window_groups(spec: ArchSpec, req: _Request, self_len: int) -> list[LayerGroup]:
+    """One group per window of the layout: its shape, cache slots and backend."""
     groups: list[LayerGroup] = []
     for w, count in spec.window_groups:
         g_spec = spec.with_(window=w, layer_windows=None, num_layers=count)
         shape, slots = self_attention(
             g_spec,
-            batch_size=batch_size,
+            batch_size=req.batch_size,
             self_len=self_len,
-            decode=decode,
-            new_tokens=new_tokens,
-            cache=cache,
-            cache_capacity=cache_capacity,
-            mask=mask,
+            decode=req.decode,
+            new_tokens=req.new_tokens,
+            cache=req.cache,
+            cache_capacity=req.cache_capacity,
+            mask=req.mask,
         )
-        name = auto_backend(backend, g_spec, shape, mode=mode, dtype=dtype_name, mask=mask)
+        name = auto_backend(
+            req.backend, g_spec, shape, mode=req.mode, dtype=req.dtype[0], mask=req.mask
+        )
         groups.append(LayerGroup(g_spec, shape, slots, name, traits_of(name)))
-    main = groups[0]
-    if masked is None:
-        masked = mask is not None or spec.causal or windowed or spec.pattern_density is not None
+    return groups
+
+
+def _backend_notes(groups: list[LayerGroup], backend: str) -> list[str]:
+    notes = []
     for g in groups:
         if backend == "auto":
             where = "" if len(groups) == 1 else f" on the {group_label(g)}"
             notes.append(f"auto resolves to {g.backend!r}{where} (the registry's choice)")
         if g.backend not in BACKEND_TRAITS:
             notes.append(f"no traits registered for backend {g.backend!r}: costed like 'sdpa'")
-    by: dict[str, ComponentCost] = {name: ComponentCost() for name in COMPONENTS}
-    fwd_mm = 0.0
+    return notes
 
-    def add(comp: str, mm: float, ew: float, traits: BackendTraits) -> None:
-        nonlocal fwd_mm
-        fwd_mm += mm
-        scale = 1.0 + _backward_factor(comp, traits, checkpointing) if training else 1.0
-        by[comp].add(mm=mm * scale, ew=ew * scale)
 
-    def add_layers(n: int, g_spec: ArchSpec, shape: LayerShape, traits: BackendTraits) -> None:
-        per = layer_flops(g_spec, shape, traits, masked=bool(masked) and not shape.cross)
-        if shape.cross:
-            per.pop("feed_forward")
-        for comp, (mm, ew_) in per.items():
-            add(comp, n * mm, n * ew_, traits)
-
-    n_self = spec.num_layers
-    extra: tuple[tuple[int, ArchSpec, LayerShape, bool], ...] = ()
-    if encdec:
-        enc_shape = LayerShape(b=batch_size, lq=seq_len, s=seq_len, density=1.0)
-        if not decode:  # the encoder is bidirectional
-            add_layers(spec.num_layers, spec.with_(causal=False), enc_shape, main.traits)
-        # the encoder output is projected once per sequence (cached while decoding)
-        cross = LayerShape(
-            b=batch_size,
-            lq=main.shape.lq,
-            s=seq_len,
-            density=1.0,
-            cross=True,
-            kv_new=0 if decode else seq_len,
-        )
-        add_layers(spec.num_decoder_layers, spec, main.shape, main.traits)
-        add_layers(spec.num_decoder_layers, spec, cross, main.traits)
-        n_self = spec.num_decoder_layers
-        extra = (
-            (spec.num_layers, spec.with_(causal=False), enc_shape, True),
-            (spec.num_decoder_layers, spec, cross, False),
-        )
-    else:
-        for g in groups:
-            add_layers(g.count, g.spec, g.shape, g.traits)
-    head_tokens = batch_size * main.shape.lq
-    tokens = batch_size * main.shape.lq
-    d, v = spec.hidden_size, spec.vocab_size
-    ew = ELEMENTWISE_FLOPS
-    emb_ew = (
-        tokens
-        * d
-        * (
-            ew["embedding_add"] * (int(spec.learned_positions) + int(spec.type_vocab_size > 0))
-            + (ew[spec.norm] if spec.embedding_norm else 0)
-        )
-    )
-    add("embeddings", 0.0, emb_ew, main.traits)
-    if spec.final_norm:
-        add("norms", 0.0, head_tokens * d * ew[spec.norm], main.traits)
-    if spec.lm_head:
-        add("lm_head", 2.0 * head_tokens * d * v, 0.0, main.traits)
-    if spec.pooler:
-        add("pooler", 2.0 * batch_size * d * d, batch_size * d * 8, main.traits)
-
-    # -- memory
-    n_params = parameter_count(spec)
-    param_bytes = n_params * bpe
-    grad_bytes = n_params * bpe if training else 0
-    opt_bytes = _optimizer_bytes(n_params, bpe, optimizer, notes) if training else 0
-    kv_bytes = 0
-    if decode:
-        context = self_len + new_tokens
-        kv_groups = (
-            [(spec.num_decoder_layers, main.cache_slots)]
-            if encdec
-            else [(g.count, g.cache_slots) for g in groups]
-        )
-        for n, slots in kv_groups:
-            if kv_dtype is not None:
-                kv_bytes += quantized_kv_bytes(spec, n, batch_size, slots, context, kv_dtype, bpe)
-            else:
-                kv_bytes += 2 * n * batch_size * spec.kv_dim * slots * bpe
-        if kv_dtype is not None:
-            notes.append(f"KV cache in {kv_dtype} (KIVI: keys per channel, values per token)")
-        if encdec:  # the cross-attention caches stay float
-            kv_bytes += 2 * spec.num_decoder_layers * batch_size * spec.kv_dim * seq_len * bpe
-    stored = max(g.shape.s for g in groups)
-    score_pairs = batch_size * spec.num_heads * main.shape.lq * stored
-    score_bytes = score_pairs * (4 if bpe < 4 else bpe)
-
-    def peak(traits: BackendTraits | None, ckpt: bool) -> tuple[float, dict[str, float]]:
-        others = tuple(
-            (g.count, g.spec, g.shape, traits or g.traits) for g in groups[1:] if not encdec
-        )
-        return activations(
-            main.spec,
-            main.shape,
-            traits or main.traits,
-            bpe,
-            mode,
-            n_self,
-            checkpointing=ckpt,
-            head_tokens=head_tokens,
-            extra=extra,
-            others=others,
-        )
-
-    variants: dict[str, int] = {}
-    for label, tr in (("materialised", BACKEND_TRAITS["reference"]), ("tiled", TILED)):
-        for ckpt in (False, True) if training else (False,):
-            variants[label + ("+checkpointing" if ckpt else "")] = int(peak(tr, ckpt)[0])
-    act, comps = peak(None, checkpointing and training)
-    chosen = int(act)
-    for name, b in comps.items():
-        by[name].activation_bytes += b
-    total = param_bytes + grad_bytes + opt_bytes + kv_bytes + chosen
-    density = main.shape.density
+def _density(spec: ArchSpec, groups: list[LayerGroup], mask: Any, notes: list[str]) -> float:
+    """The attention density over all layers (weighted by group), noted when it matters."""
+    density = groups[0].shape.density
     if len(groups) > 1:
         density = sum(g.count * g.shape.density for g in groups) / spec.num_layers
         notes.append(
@@ -408,50 +434,27 @@ def estimate(
         )
     if spec.pattern_density is not None or mask is not None:
         notes.append(f"mask density {density:.3f} scales the work of tile-skipping backends")
-    a2a = 0.0
-    if spec.moe is not None:
-        a2a = all_to_all_bytes(
-            tokens,
-            spec.hidden_size,
-            spec.moe,
-            parallel=expert_parallel,
-            bytes_per_element=bpe,
-            backward=training,
-        )
-        notes.append(
-            f"MoE: {spec.moe.num_layers} layers route each token to {spec.moe.top_k} of "
-            f"{spec.moe.num_experts} experts (dropless: no capacity padding); activations of "
-            "the MoE feed-forward are costed as a dense one"
-        )
-    return CostReport(
-        arch=spec,
-        mode=mode,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        new_tokens=new_tokens if decode else 0,
-        dtype=dtype_name,
-        backend=main.backend
-        if len(groups) == 1
-        else "+".join(dict.fromkeys(g.backend for g in groups)),
-        checkpointing=checkpointing and training,
-        by_component=by,
-        flops=sum(c.flops for c in by.values()),
-        matmul_flops=sum(c.matmul_flops for c in by.values()),
-        forward_matmul_flops=fwd_mm,
-        attention_density=density,
-        parameter_count=n_params,
-        parameter_bytes=param_bytes,
-        gradient_bytes=grad_bytes,
-        optimizer_bytes=opt_bytes,
-        kv_cache_bytes=kv_bytes,
-        activation_bytes=chosen,
-        activation_variants=variants,
-        score_matrix_bytes=int(score_bytes),
-        total_bytes=int(total),
-        notes=notes,
-        active_parameter_count=active_parameter_count(spec, n_params),
-        all_to_all_bytes=a2a,
-        layer_backends={group_label(g): g.backend for g in groups} if len(groups) > 1 else {},
+    return density
+
+
+def _moe_traffic(
+    spec: ArchSpec, tokens: int, parallel: int, bpe: int, training: bool, notes: list[str]
+) -> float:
+    """All-to-all bytes of the MoE layers over ``parallel`` devices (0 for a dense model)."""
+    if spec.moe is None:
+        return 0.0
+    notes.append(
+        f"MoE: {spec.moe.num_layers} layers route each token to {spec.moe.top_k} of "
+        f"{spec.moe.num_experts} experts (dropless: no capacity padding); activations of "
+        "the MoE feed-forward are costed as a dense one"
+    )
+    return all_to_all_bytes(
+        tokens,
+        spec.hidden_size,
+        spec.moe,
+        parallel=parallel,
+        bytes_per_element=bpe,
+        backward=training,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from attnlab.analysis.arch import ArchSpec
 
-__all__ = ["check_kv_dtype", "quantized_kv_bytes"]
+__all__ = ["check_kv_dtype", "kv_cache_bytes", "quantized_kv_bytes"]
 
 
 def check_kv_dtype(kv_dtype: str | None, mode: str, cache: str) -> str | None:
@@ -54,3 +54,41 @@ def quantized_kv_bytes(
     key_tail = context if context <= residual else context - (context - residual) // group * group
     window = spec.head_dim * (key_tail + min(context, residual)) * bytes_per_element
     return int(heads * (stored + window))
+
+
+def kv_cache_bytes(
+    spec: ArchSpec,
+    groups: list[tuple[int, int]],
+    *,
+    batch_size: int,
+    context: int,
+    kv_dtype: str | None,
+    bytes_per_element: int,
+    cross_len: int = 0,
+) -> int:
+    """Bytes of the decoding KV caches of a model.
+
+    Args:
+        spec: the architecture.
+        groups: ``(layers, slots per sequence)`` for each group of self-attention layers.
+        batch_size: sequences.
+        context: tokens in the cache after the step.
+        kv_dtype: a quantized cache's dtype (:func:`quantized_kv_bytes`), or None for
+            ``bytes_per_element`` per element.
+        bytes_per_element: the model dtype's.
+        cross_len: an encoder-decoder's source tokens, whose cross-attention caches
+            (one per decoder layer) stay in the model dtype.
+    """
+    total = 0
+    for n, slots in groups:
+        if kv_dtype is not None:
+            total += quantized_kv_bytes(
+                spec, n, batch_size, slots, context, kv_dtype, bytes_per_element
+            )
+        else:
+            total += 2 * n * batch_size * spec.kv_dim * slots * bytes_per_element
+    if cross_len:
+        total += (
+            2 * spec.num_decoder_layers * batch_size * spec.kv_dim * cross_len * bytes_per_element
+        )
+    return total

@@ -11,9 +11,17 @@ one layer.
 from __future__ import annotations
 
 from attnlab.analysis.arch import ArchSpec
-from attnlab.analysis.cost_layers import BackendTraits, LayerShape, attention_work, layer_saved
+from attnlab.analysis.cost_attention import LayerGroup
+from attnlab.analysis.cost_layers import (
+    BACKEND_TRAITS,
+    TILED,
+    BackendTraits,
+    LayerShape,
+    attention_work,
+    layer_saved,
+)
 
-__all__ = ["activations"]
+__all__ = ["activation_peaks", "activations"]
 
 
 Group = tuple[int, ArchSpec, LayerShape, BackendTraits]
@@ -135,3 +143,53 @@ def activations(
     else:
         comps["lm_head"] = comps.get("lm_head", 0.0) + logits_grad
     return peak, comps
+
+
+def activation_peaks(
+    groups: list[LayerGroup],
+    bpe: int,
+    mode: str,
+    n_layers: int,
+    *,
+    checkpointing: bool,
+    head_tokens: int,
+    extra: tuple[tuple[int, ArchSpec, LayerShape, bool], ...] = (),
+    mixed: bool = True,
+) -> tuple[dict[str, int], float, dict[str, float]]:
+    """The peak for the chosen backends, and for a materialising and a tiled one.
+
+    Args:
+        groups: the window groups of self-attention layers, the first the main one.
+        bpe, mode, n_layers, checkpointing, head_tokens, extra: as :func:`activations`
+            (``checkpointing`` as chosen: it applies in training only).
+        mixed: cost the other groups as their own (False: an encoder-decoder, whose
+            decoder is costed as its first group).
+
+    Returns:
+        ``(variants, peak, by component)``: ``variants`` maps ``materialised``/``tiled``
+        (training: also with ``+checkpointing``) to their peaks, for comparison.
+    """
+    main = groups[0]
+    training = mode == "training"
+
+    def peak(traits: BackendTraits | None, ckpt: bool) -> tuple[float, dict[str, float]]:
+        others = tuple((g.count, g.spec, g.shape, traits or g.traits) for g in groups[1:] if mixed)
+        return activations(
+            main.spec,
+            main.shape,
+            traits or main.traits,
+            bpe,
+            mode,
+            n_layers,
+            checkpointing=ckpt,
+            head_tokens=head_tokens,
+            extra=extra,
+            others=others,
+        )
+
+    variants: dict[str, int] = {}
+    for label, tr in (("materialised", BACKEND_TRAITS["reference"]), ("tiled", TILED)):
+        for ckpt in (False, True) if training else (False,):
+            variants[label + ("+checkpointing" if ckpt else "")] = int(peak(tr, ckpt)[0])
+    act, comps = peak(None, checkpointing and training)
+    return variants, act, comps

@@ -280,36 +280,80 @@ def diagnose(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(inputs, Tensor):
-        args: tuple[Any, ...] = (inputs,)
-        kwargs: dict[str, Any] = {}
-    elif isinstance(inputs, Mapping):
-        args, kwargs = (), dict(inputs)
-    else:
-        raise TypeError(
-            f"inputs must be a mapping of forward arguments or a tensor, got {type(inputs).__name__}"
-        )
+    args, kwargs = _call_arguments(inputs)
     issues = check_inputs(model, kwargs)
     bad_params = {
         name: int((~torch.isfinite(p.detach())).sum())
         for name, p in model.named_parameters()
         if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())
     }
-    found: list[tuple[str, Tensor]] = []
     if (
         attention_stats
         and _accepts(model, "output_attentions")
         and "output_attentions" not in kwargs
     ):
         kwargs["output_attentions"] = True
+    found: list[tuple[str, Tensor]] = []
+    routed: list[tuple[str, Any, Any]] = []
+    watch = NonFiniteWatch(model)
+    backend = current()
+    output, error = _forward(
+        model,
+        args,
+        kwargs,
+        watch=watch,
+        issues=issues,
+        weights=found if attention_stats else None,
+        routed=routed,
+    )
+    output_finite = error is None and all(_finite(t) for t in _tensors(output))
+    _add_nonfinite_issue(issues, watch, bad_params)
+    experts, expert_issues = _expert_issues(routed, kwargs.get("attention_mask"))
+    issues += expert_issues
+    heads = _head_statistics(model, found, backend=backend, row_sum_tol=row_sum_tol, issues=issues)
+    return DiagnosisReport(
+        ok=not issues,
+        issues=issues,
+        first_nonfinite_module=watch.first_module,
+        first_nonfinite_inputs=watch.first_inputs,
+        nonfinite_parameters=bad_params,
+        output_finite=output_finite,
+        heads=heads,
+        backend=backend,
+        error=error,
+        error_module=watch.deepest_on_error if error else None,
+        experts=experts,
+    )
+
+
+def _call_arguments(inputs: Mapping[str, Any] | Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``inputs`` as the forward's positional and keyword arguments."""
+    if isinstance(inputs, Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    raise TypeError(
+        f"inputs must be a mapping of forward arguments or a tensor, got {type(inputs).__name__}"
+    )
+
+
+def _forward(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    watch: NonFiniteWatch,
+    issues: list[Issue],
+    weights: list[tuple[str, Tensor]] | None,
+    routed: list[tuple[str, Any, Any]],
+) -> tuple[Any, str | None]:
+    """One forward under the hooks: the output, and the error it raised (an issue first)."""
     error: str | None = None
     output: Any = None
-    watch = NonFiniteWatch(model)
-    mask_handles = _mask_hooks(model, issues)
-    routed: list[tuple[str, Any, Any]] = []
-    mask_handles += _router_hooks(model, routed)
-    capture = _attention_capture(model, found) if attention_stats else contextlib.nullcontext()
-    backend = current()
+    handles = _mask_hooks(model, issues) + _router_hooks(model, routed)
+    capture = (
+        _attention_capture(model, weights) if weights is not None else contextlib.nullcontext()
+    )
     try:
         with torch.no_grad(), capture, watch:
             output = model(*args, **kwargs)
@@ -326,57 +370,73 @@ def diagnose(
             ),
         )
     finally:
-        for h in mask_handles:
+        for h in handles:
             h.remove()
-    output_finite = error is None and all(_finite(t) for t in _tensors(output))
-    if watch.first_module is not None:
-        name = watch.first_module
-        in_params = {
-            p: n for p, n in bad_params.items() if p.startswith(f"{name}.") or name == "<model>"
-        }
-        outs = watch.first_outputs
-        ins = watch.first_inputs
-        inputs_finite = all(s.get("nan", 0) == 0 and s.get("inf", 0) == 0 for s in ins)
-        half = any(s.get("dtype") in ("float16", "bfloat16") for s in outs)
-        only_inf = all(s.get("nan", 0) == 0 for s in outs)
-        if in_params:
-            msg = (
-                f"first NaN/Inf appears in the output of {name}, whose parameters "
-                f"{sorted(in_params)} hold non-finite values"
+    return output, error
+
+
+def _add_nonfinite_issue(
+    issues: list[Issue], watch: NonFiniteWatch, bad_params: dict[str, int]
+) -> None:
+    """The first module whose output is not finite, and why (first of all issues); else
+    the non-finite parameters the forward did not use."""
+    if watch.first_module is None:
+        if bad_params:
+            issues.append(
+                Issue(
+                    "nonfinite",
+                    ", ".join(sorted(bad_params)),
+                    f"parameters hold NaN/Inf: {bad_params} (the forward did not use them)",
+                    "reload or re-initialise those weights",
+                )
             )
-            fix = "reload or re-initialise those weights; check the checkpoint and the last optimizer steps"
-            kind = "nonfinite"
-        elif inputs_finite and half and only_inf:
-            peak = max((s.get("abs_max", 0.0) for s in ins), default=0.0)
-            msg = (
-                f"{name} turned finite inputs (largest |x| = {peak:.3g}) into Inf in "
-                f"{outs[0]['dtype']}: an overflow (float16 holds at most 65504)"
-            )
-            fix = (
-                "run in bfloat16 or float32, or keep this module in float32 "
-                "(module.float() and cast its input)"
-            )
-            kind = "overflow"
-        elif inputs_finite:
-            msg = f"{name} produced NaN/Inf from finite inputs: {outs}"
-            fix = "check this module's arithmetic (division by zero, log of 0, overflow)"
-            kind = "nonfinite"
-        else:
-            msg = f"{name} received non-finite inputs: {ins}"
-            fix = "the inputs passed to the model are not finite; check inputs_embeds / the data"
-            kind = "nonfinite"
-        issues.insert(0, Issue(kind, name, msg, fix))
-    elif bad_params:
-        issues.append(
-            Issue(
-                "nonfinite",
-                ", ".join(sorted(bad_params)),
-                f"parameters hold NaN/Inf: {bad_params} (the forward did not use them)",
-                "reload or re-initialise those weights",
-            )
+        return
+    name = watch.first_module
+    in_params = {
+        p: n for p, n in bad_params.items() if p.startswith(f"{name}.") or name == "<model>"
+    }
+    outs = watch.first_outputs
+    ins = watch.first_inputs
+    inputs_finite = all(s.get("nan", 0) == 0 and s.get("inf", 0) == 0 for s in ins)
+    half = any(s.get("dtype") in ("float16", "bfloat16") for s in outs)
+    only_inf = all(s.get("nan", 0) == 0 for s in outs)
+    kind = "nonfinite"
+    if in_params:
+        msg = (
+            f"first NaN/Inf appears in the output of {name}, whose parameters "
+            f"{sorted(in_params)} hold non-finite values"
         )
-    experts, expert_issues = _expert_issues(routed, kwargs.get("attention_mask"))
-    issues += expert_issues
+        fix = "reload or re-initialise those weights; check the checkpoint and the last optimizer steps"
+    elif inputs_finite and half and only_inf:
+        peak = max((s.get("abs_max", 0.0) for s in ins), default=0.0)
+        msg = (
+            f"{name} turned finite inputs (largest |x| = {peak:.3g}) into Inf in "
+            f"{outs[0]['dtype']}: an overflow (float16 holds at most 65504)"
+        )
+        fix = (
+            "run in bfloat16 or float32, or keep this module in float32 "
+            "(module.float() and cast its input)"
+        )
+        kind = "overflow"
+    elif inputs_finite:
+        msg = f"{name} produced NaN/Inf from finite inputs: {outs}"
+        fix = "check this module's arithmetic (division by zero, log of 0, overflow)"
+    else:
+        msg = f"{name} received non-finite inputs: {ins}"
+        fix = "the inputs passed to the model are not finite; check inputs_embeds / the data"
+    issues.insert(0, Issue(kind, name, msg, fix))
+
+
+def _head_statistics(
+    model: nn.Module,
+    found: list[tuple[str, Tensor]],
+    *,
+    backend: str,
+    row_sum_tol: float,
+    issues: list[Issue],
+) -> list[HeadStats]:
+    """Per-head statistics of the captured weights; rows that do not sum to one and rows
+    whose keys are all masked become issues."""
     heads: list[HeadStats] = []
     for layer, (name, w) in enumerate(found):
         stats = attention_head_stats(w, layer=layer, module=name)
@@ -406,16 +466,4 @@ def diagnose(
                     "check the mask: every query needs at least one key it may attend to",
                 )
             )
-    return DiagnosisReport(
-        ok=not issues,
-        issues=issues,
-        first_nonfinite_module=watch.first_module,
-        first_nonfinite_inputs=watch.first_inputs,
-        nonfinite_parameters=bad_params,
-        output_finite=output_finite,
-        heads=heads,
-        backend=backend,
-        error=error,
-        error_module=watch.deepest_on_error if error else None,
-        experts=experts,
-    )
+    return heads

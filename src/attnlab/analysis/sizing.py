@@ -183,54 +183,29 @@ def size_model(
     Raises:
         ValueError: no budget or several, or a number that is not positive and finite.
     """
-    _positive("context", context, integer=True)
-    _positive("memory_gb", memory_gb)
-    _positive("vocab_size", vocab_size, integer=True)
-    _positive("batch_size", batch_size, integer=True)
-    _positive("extrapolation", extrapolation)
-    if extrapolation < 1:
-        raise ValueError(f"extrapolation must be >= 1 (times the context), got {extrapolation!r}")
-    budgets = {"params": params, "compute_flops": compute_flops, "hours": hours}
-    given = [k for k, v in budgets.items() if v is not None]
-    if len(given) != 1:
-        raise ValueError(f"pass exactly one budget of params, compute_flops, hours; got {given}")
-    for k in given:
-        _positive(k, budgets[k])
-    if tokens is not None:
-        _positive("tokens", tokens)
-    if dtype not in CPU_GFLOPS:
-        raise ValueError(f"dtype must be one of {sorted(CPU_GFLOPS)}, got {dtype!r}")
-    if throughput_gflops is not None:
-        _positive("throughput_gflops", throughput_gflops)
+    _check_request(
+        context=context,
+        memory_gb=memory_gb,
+        budgets={"params": params, "compute_flops": compute_flops, "hours": hours},
+        tokens=tokens,
+        vocab_size=vocab_size,
+        batch_size=batch_size,
+        extrapolation=extrapolation,
+        dtype=dtype,
+        throughput_gflops=throughput_gflops,
+    )
     peak = (throughput_gflops or CPU_GFLOPS[dtype]) * 1e9
     flops_per_s = peak * TRAIN_UTILISATION
     reasons: list[str] = []
-
-    if hours is not None:
-        compute_flops = hours * 3600 * flops_per_s
-        reasons.append(
-            f"{hours:g} h at {peak / 1e9:.0f} GFLOP/s x {TRAIN_UTILISATION:.0%} utilisation "
-            f"(assumed) = {human_flops(compute_flops)} of training compute"
-        )
-    if compute_flops is not None:
-        if tokens is None:
-            # C = 6 N D, D = 20 N  =>  N = sqrt(C / 120)
-            n_target = math.sqrt(
-                compute_flops / (TRAIN_FLOPS_PER_PARAM_TOKEN * TOKENS_PER_PARAMETER)
-            )
-            reasons.append(
-                f"compute-optimal (Hoffmann et al. 2022): N = sqrt(C / (6 x 20)) = "
-                f"{n_target / 1e6:.1f} M parameters for {human_flops(compute_flops)}"
-            )
-        else:
-            n_target = compute_flops / (TRAIN_FLOPS_PER_PARAM_TOKEN * tokens)
-            reasons.append(
-                f"{tokens / 1e6:.1f} M tokens fix N = C / (6 D) = {n_target / 1e6:.1f} M parameters"
-            )
-    else:
-        assert params is not None
-        n_target = float(params)
-
+    n_target = _parameter_target(
+        params=params,
+        compute_flops=compute_flops,
+        hours=hours,
+        tokens=tokens,
+        peak=peak,
+        flops_per_s=flops_per_s,
+        reasons=reasons,
+    )
     budget = memory_gb * GIB
     shrunk = 0
     while True:
@@ -249,7 +224,6 @@ def size_model(
         n_target *= 0.85
         shrunk += 1
     fits, spec, train, checkpointing, shape_reasons = sized
-    decode_ctx = int(context * extrapolation)
     if shrunk:
         reasons.append(
             f"memory-bound: the budget's size does not train in {memory_gb:g} GiB even with "
@@ -258,21 +232,9 @@ def size_model(
         )
     reasons += shape_reasons
     n = train.parameter_count
-    if tokens is None:
-        tokens = TOKENS_PER_PARAMETER * n
-        reasons.append(f"tokens: {TOKENS_PER_PARAMETER:.0f} per parameter = {tokens / 1e6:.1f} M")
-    else:
-        ratio = tokens / n
-        verdict = (
-            "under-trained for its size (a smaller model would reach a lower loss)"
-            if ratio < TOKENS_PER_PARAMETER / 2
-            else "past compute-optimal (fine when inference cost matters more than training)"
-            if ratio > 2 * TOKENS_PER_PARAMETER
-            else "close to compute-optimal"
-        )
-        reasons.append(f"tokens: {ratio:.0f} per parameter: {verdict} (Hoffmann et al.: ~20)")
+    tokens = _training_tokens(tokens, n, reasons)
     train_flops = TRAIN_FLOPS_PER_PARAM_TOKEN * n * tokens
-    decode = estimate(spec, seq_len=decode_ctx, mode="decode", dtype=dtype)
+    decode = estimate(spec, seq_len=int(context * extrapolation), mode="decode", dtype=dtype)
     return SizingAdvice(
         arch=spec,
         parameters=n,
@@ -285,6 +247,94 @@ def size_model(
         reasons=reasons,
         fits=fits,
     )
+
+
+def _check_request(
+    *,
+    context: int,
+    memory_gb: float,
+    budgets: dict[str, float | None],
+    tokens: float | None,
+    vocab_size: int,
+    batch_size: int,
+    extrapolation: float,
+    dtype: str,
+    throughput_gflops: float | None,
+) -> None:
+    """Refuse a bad request with its value: exactly one budget, every number positive."""
+    _positive("context", context, integer=True)
+    _positive("memory_gb", memory_gb)
+    _positive("vocab_size", vocab_size, integer=True)
+    _positive("batch_size", batch_size, integer=True)
+    _positive("extrapolation", extrapolation)
+    if extrapolation < 1:
+        raise ValueError(f"extrapolation must be >= 1 (times the context), got {extrapolation!r}")
+    given = [k for k, v in budgets.items() if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"pass exactly one budget of params, compute_flops, hours; got {given}")
+    for k in given:
+        _positive(k, budgets[k])
+    if tokens is not None:
+        _positive("tokens", tokens)
+    if dtype not in CPU_GFLOPS:
+        raise ValueError(f"dtype must be one of {sorted(CPU_GFLOPS)}, got {dtype!r}")
+    if throughput_gflops is not None:
+        _positive("throughput_gflops", throughput_gflops)
+
+
+def _parameter_target(
+    *,
+    params: float | None,
+    compute_flops: float | None,
+    hours: float | None,
+    tokens: float | None,
+    peak: float,
+    flops_per_s: float,
+    reasons: list[str],
+) -> float:
+    """The parameter count the budget buys: given, or from the compute (``hours`` at
+    ``flops_per_s``, ``peak`` times the utilisation), compute-optimal (Hoffmann et al.)
+    unless the tokens are fixed."""
+    if hours is not None:
+        compute_flops = hours * 3600 * flops_per_s
+        reasons.append(
+            f"{hours:g} h at {peak / 1e9:.0f} GFLOP/s x {TRAIN_UTILISATION:.0%} utilisation "
+            f"(assumed) = {human_flops(compute_flops)} of training compute"
+        )
+    if compute_flops is None:
+        assert params is not None
+        return float(params)
+    if tokens is not None:
+        n_target = compute_flops / (TRAIN_FLOPS_PER_PARAM_TOKEN * tokens)
+        reasons.append(
+            f"{tokens / 1e6:.1f} M tokens fix N = C / (6 D) = {n_target / 1e6:.1f} M parameters"
+        )
+        return n_target
+    # C = 6 N D, D = 20 N  =>  N = sqrt(C / 120)
+    n_target = math.sqrt(compute_flops / (TRAIN_FLOPS_PER_PARAM_TOKEN * TOKENS_PER_PARAMETER))
+    reasons.append(
+        f"compute-optimal (Hoffmann et al. 2022): N = sqrt(C / (6 x 20)) = "
+        f"{n_target / 1e6:.1f} M parameters for {human_flops(compute_flops)}"
+    )
+    return n_target
+
+
+def _training_tokens(tokens: float | None, n: int, reasons: list[str]) -> float:
+    """Compute-optimal tokens for ``n`` parameters, or a verdict on the tokens given."""
+    if tokens is None:
+        tokens = TOKENS_PER_PARAMETER * n
+        reasons.append(f"tokens: {TOKENS_PER_PARAMETER:.0f} per parameter = {tokens / 1e6:.1f} M")
+        return tokens
+    ratio = tokens / n
+    verdict = (
+        "under-trained for its size (a smaller model would reach a lower loss)"
+        if ratio < TOKENS_PER_PARAMETER / 2
+        else "past compute-optimal (fine when inference cost matters more than training)"
+        if ratio > 2 * TOKENS_PER_PARAMETER
+        else "close to compute-optimal"
+    )
+    reasons.append(f"tokens: {ratio:.0f} per parameter: {verdict} (Hoffmann et al.: ~20)")
+    return tokens
 
 
 def _size_for(

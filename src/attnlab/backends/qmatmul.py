@@ -10,6 +10,9 @@ of these kernels:
 - ``"int4pack"``: torch's ``_weight_int4pack_mm_for_cpu`` over the weights repacked once
   by ``_convert_weight_to_int4pack_for_cpu`` (4-bit groups of 32/64/128/256 with a scale
   and a zero point; ``N`` a multiple of 16).
+- ``"fused"``: attnlab's own CPU kernel (:mod:`attnlab.backends.qmatmul_cpu`): the blocks
+  expanded in registers and multiplied in float32, for int8 and int4 in groups of any
+  multiple of 32 (the GEMV shape of decoding; Q8_0 in one pass instead of a call per group).
 - ``"dequant"``: expand the weights to the compute dtype and call ``F.linear`` (any
   layout; the choice for long prompts, where one GEMM beats the GEMV-shaped kernels).
 
@@ -144,6 +147,24 @@ def _run_int4pack(w: QuantWeights, x2: Tensor) -> Tensor:
     return torch._weight_int4pack_mm_for_cpu(x2, packed, w.group_size, scales_zeros)
 
 
+def _check_fused(w: QuantWeights, dtype: torch.dtype) -> str | None:
+    from attnlab.backends.qmatmul_cpu import unavailable
+
+    if w.group_size % 32 or w.in_features % w.group_size:
+        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"computes in float32 (from float32/bfloat16 activations), not {dtype}"
+    return unavailable()
+
+
+def _run_fused(w: QuantWeights, x2: Tensor) -> Tensor:
+    from attnlab.backends.qmatmul_cpu import qgemv
+
+    form = w.kernel_form("fused", torch.float32)  # (levels, scales) or (levels, scales, mins)
+    mins = form[2] if len(form) == 3 else None
+    return qgemv(x2, form[0], form[1], mins, w.group_size).to(x2.dtype)
+
+
 def _check_dequant(w: QuantWeights, dtype: torch.dtype) -> str | None:
     return None
 
@@ -167,6 +188,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("int8pack", _check_int8pack, _run_int8pack),
         Kernel("int8groups", _check_int8groups, _run_int8groups),
         Kernel("int4pack", _check_int4pack, _run_int4pack),
+        Kernel("fused", _check_fused, _run_fused),
         Kernel("dequant", _check_dequant, _run_dequant),
     )
 }

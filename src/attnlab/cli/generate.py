@@ -78,9 +78,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--compile",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="compile the model's decode step with torch.compile over a static cache "
-        "(decoder-only models; the first tokens wait for the compile)",
+        "(decoder-only models; the first tokens wait for the compile, whose seconds are "
+        "reported on stderr). Default: generate's own rule, its fastest exact path (it "
+        "compiles when the graph pays for itself: 128+ new tokens and no EOS, or a graph "
+        "of this shape compiled already); --no-compile decodes eagerly",
     )
     p.add_argument(
         "--sink-window",
@@ -99,6 +103,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --sink-window: first tokens kept for ever (default 4; 0 = a plain window)",
     )
     p.set_defaults(func=run)
+
+
+def _compile_note(model: Any, before: int) -> list[dict[str, Any]]:
+    """The decode-step compiles this run paid for, said on stderr (never hidden in the
+    first tokens' latency) and returned for ``--json``."""
+    from attnlab.generation.compiled import compile_report
+
+    done = [
+        {"batch_size": r.batch_size, "cache_slots": r.slots, "seconds": round(r.seconds, 3)}
+        for r in compile_report(model)[before:]
+    ]
+    for r in done:
+        print(
+            f"note: compiled the decode step in {r['seconds']:.1f} s (batch {r['batch_size']}, "
+            f"{r['cache_slots']} cache slots; later runs of this shape reuse the graph)",
+            file=sys.stderr,
+        )
+    return done
 
 
 def _sink_cache(args: argparse.Namespace, model: Any) -> Any:
@@ -231,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
         out.write(shown)
         out.flush()
     new: list[int] = []
+    from attnlab.generation.compiled import compile_report
+
+    before = len(compile_report(model))
     for tok in model.stream(
         ids,
         args.max_new_tokens,
@@ -252,8 +277,9 @@ def run(args: argparse.Namespace) -> int:
             shown = text
         out.flush()
     out.write("\n")
+    compiles = _compile_note(model, before)
     if args.json:
-        result: dict[str, Any] = {"prompt_ids": prompt, "new_ids": new}
+        result: dict[str, Any] = {"prompt_ids": prompt, "new_ids": new, "compile": compiles}
         if tokenizer is not None:
             result["text"] = tokenizer.decode(new)
         print_json(result)

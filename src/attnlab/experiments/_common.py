@@ -220,12 +220,12 @@ def _initialise(model: nn.Module, seed: int) -> None:
     """GPT-2's initialisation for attention decoders (what ``attnlab train`` builds with);
     for other models only the embeddings, keeping their mixers' own initialisation
     (Mamba's ``dt`` bias and ``A``, RWKV's decays)."""
-    from attnlab.models import DecoderLM
+    from attnlab.models import DecoderConfig, DecoderLM
     from attnlab.train.build import init_weights
 
     torch.manual_seed(seed)
-    if isinstance(model, DecoderLM):
-        init_weights(model, 0.02)
+    if isinstance(model, DecoderLM) and isinstance(model.config, DecoderConfig):
+        init_weights(model, 0.02)  # not the recurrent presets (MambaLM...): their own
         return
     for m in model.modules():
         if isinstance(m, nn.Embedding):

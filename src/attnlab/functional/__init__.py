@@ -27,3 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return scaled_dot_product_attention
     raise AttributeError(f"module 'attnlab.functional' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -44,7 +44,8 @@ def _check(logits: Tensor, labels: Tensor) -> None:
 
 
 def token_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """Mean cross-entropy of ``logits [B, L, V]`` against ``labels [B, L]`` (no shift).
+    """Mean cross-entropy of ``logits [B, L, V]`` against ``labels [B, L]`` (no shift), in
+    float32 for 16-bit logits and in the logits' dtype otherwise.
 
     Raises:
         TypeError: labels that are not integers.
@@ -52,9 +53,8 @@ def token_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_IND
     """
     _check(logits, labels)
     v = logits.shape[-1]
-    return F.cross_entropy(
-        logits.float().reshape(-1, v), labels.reshape(-1), ignore_index=ignore_index
-    )
+    logits = logits.to(_loss_dtype(logits.dtype))  # 16-bit logits: float32; float64 stays
+    return F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1), ignore_index=ignore_index)
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -72,9 +72,15 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE
 CHUNK_ELEMENTS = 1 << 23
 
 
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss is computed in: float32 for 16-bit logits, else their own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _chunk_nll(head: Callable[[Tensor], Tensor], h: Tensor, t: Tensor) -> Tensor:
-    """Summed cross-entropy of ``head(h) [T, V]`` against ``t [T]`` (float32)."""
-    return F.cross_entropy(head(h).float(), t, reduction="sum")
+    """Summed cross-entropy of ``head(h) [T, V]`` against ``t [T]`` (:func:`_loss_dtype`)."""
+    logits = head(h)
+    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), t, reduction="sum")
 
 
 def chunked_causal_lm_loss(
@@ -123,7 +129,7 @@ def chunked_causal_lm_loss(
     rows = (shifted != ignore_index).nonzero().squeeze(1)  # [T] positions that predict
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [T, D]
     targets = shifted.index_select(0, rows)  # [T]
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=_loss_dtype(hidden.dtype))
     for at in range(0, int(rows.numel()), chunk_tokens):
         hc, tc = h[at : at + chunk_tokens], targets[at : at + chunk_tokens]
         if torch.is_grad_enabled():

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab.cache.base import KVCache
 from attnlab.generation.inputs import check_cache_room, check_fresh_cache
 
 __all__ = [
@@ -76,6 +77,12 @@ def _refusal(model: nn.Module) -> str | None:
         return (
             f"compile=True compiles a decoder-only model's decode step; {type(model).__name__} "
             "has none: use compile=False"
+        )
+    new_cache = getattr(model, "new_cache", None)
+    if callable(new_cache) and not all(isinstance(c, KVCache) for c in new_cache().layers):
+        return (
+            "compile=True needs a static KV cache in every layer; "
+            f"{type(model).__name__} has layers that carry a recurrent state: use compile=False"
         )
     rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
     if rope_type in ("dynamic", "longrope"):

@@ -206,10 +206,11 @@ def to_gguf(
     """
     from attnlab.interop import llama
     from attnlab.models.decoder import DecoderLM
+    from attnlab.models.decoder_config import DecoderConfig
 
     if dtype is not None and dtype not in GGUF_DTYPES:
         raise ValueError(f"dtype must be None or one of {sorted(GGUF_DTYPES)}, got {dtype!r}")
-    if not isinstance(model, DecoderLM):
+    if not isinstance(model, DecoderLM) or not isinstance(model.config, DecoderConfig):
         raise ValueError(
             f"to_gguf writes a DecoderLM (Llama architecture), got {type(model).__name__}"
         )

@@ -348,10 +348,20 @@ def converter_for(model: nn.Module) -> Converter | None:
         (
             c
             for c in _CONVERTERS.values()
-            if isinstance(model, c.attnlab_class) and (c.accepts is None or c.accepts(model))
+            if _serves(c, model) and (c.accepts is None or c.accepts(model))
         ),
         None,
     )
+
+
+def _serves(converter: Converter, model: nn.Module) -> bool:
+    """A converter serves its class and its subclasses, except a preset's: Mamba, RWKV and
+    RetNet are ``DecoderLM`` presets, converted by their own converters only."""
+    from attnlab.models.recurrent import RecurrentLM
+
+    if isinstance(model, RecurrentLM) and not issubclass(converter.attnlab_class, RecurrentLM):
+        return False
+    return isinstance(model, converter.attnlab_class)
 
 
 def to_hf(model: nn.Module) -> nn.Module:

@@ -50,8 +50,9 @@ def save_quantized(model: nn.Module, folder: str | Path) -> Path:
     from safetensors.torch import save_file
 
     from attnlab.models.decoder import DecoderLM
+    from attnlab.models.decoder_config import DecoderConfig
 
-    if not isinstance(model, DecoderLM):
+    if not isinstance(model, DecoderLM) or not isinstance(model.config, DecoderConfig):
         raise TypeError(f"save_quantized writes a DecoderLM, got {type(model).__name__}")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from attnlab._files import atomic_write_text
-from attnlab.functional._checks import check_int, check_real
+from attnlab.functional._checks import check_int, check_positive_int, check_real
 
 
 def _kinds(annotation: Any) -> tuple[set[type], bool]:
@@ -139,6 +139,11 @@ class ConfigBase:
         """Write the config as JSON (read it back with ``from_dict(json.load(...))``)."""
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
+    def _check_positive_ints(self, *names: str) -> None:
+        """Each named field is an int > 0 (the message names the field and the value)."""
+        for name in names:
+            check_positive_int(name, getattr(self, name))
+
     def _check_token_ids(self, *names: str) -> None:
         """Each named token id, when set, must be in ``[0, vocab_size)``."""
         for name in names:
@@ -150,3 +155,23 @@ class ConfigBase:
                     min_value=0,
                     max_value=self.vocab_size - 1,
                 )
+
+
+def check_kv_heads(config: Any) -> None:
+    """An attention config's ``num_key_value_heads`` (default: ``num_attention_heads``,
+    MHA): an int > 0 that divides ``num_attention_heads`` (GQA's groups)."""
+    heads = config.num_attention_heads
+    if config.num_key_value_heads is None:
+        config.num_key_value_heads = heads
+    kv = config.num_key_value_heads
+    check_positive_int("num_key_value_heads", kv)
+    if heads % kv != 0:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv})"
+        )
+
+
+def check_model_type(config: Any) -> None:
+    """``model_type`` (the transformers architecture a config names) is a str or None."""
+    if config.model_type is not None and not isinstance(config.model_type, str):
+        raise TypeError(f"model_type must be a str or None, got {config.model_type!r}")

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 from attnlab.functional._checks import (
     check_int,
-    check_positive_int,
     check_probability,
     check_real,
 )
-from attnlab.models._base import ConfigBase
+from attnlab.models._base import ConfigBase, check_kv_heads, check_model_type
 from attnlab.modules.activations import activation_names
 
 __all__ = ["POSITION_TYPES", "EncoderConfig"]
@@ -99,27 +98,19 @@ class EncoderConfig(ConfigBase):
     model_type: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (
+        self._check_positive_ints(
             "vocab_size",
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",
             "intermediate_size",
             "max_position_embeddings",
-        ):
-            check_positive_int(name, getattr(self, name))
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        check_positive_int("num_key_value_heads", self.num_key_value_heads)
+        )
+        check_kv_heads(self)
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})"
-            )
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.hidden_act not in activation_names():
             raise ValueError(f"hidden_act {self.hidden_act!r} unknown; known: {activation_names()}")
@@ -143,8 +134,7 @@ class EncoderConfig(ConfigBase):
         if self.mlp not in ("standard", "gated"):
             raise ValueError(f"mlp must be 'standard' or 'gated', got {self.mlp!r}")
         self._check_local_attention()
-        if self.model_type is not None and not isinstance(self.model_type, str):
-            raise TypeError(f"model_type must be a str or None, got {self.model_type!r}")
+        check_model_type(self)
         if self.attention_window is not None:
             w = self.attention_window
             if isinstance(w, list):

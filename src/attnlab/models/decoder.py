@@ -127,10 +127,16 @@ class DecoderLM(CausalLMShell):
         self.generation_config: dict[str, Any] = {}
 
     @property
+    def decoder_config(self) -> DecoderConfig:
+        """The :class:`DecoderConfig` this shell runs: ``config`` itself, except for a
+        preset that keeps another architecture's config (:mod:`attnlab.models.recurrent`)."""
+        return cast(DecoderConfig, self.config)
+
+    @property
     def prefill_again_at(self) -> int | None:
         """The slot at which ``generate`` encodes the whole sequence again: LongRoPE's
         ``original_max_position_embeddings`` (its frequencies change past it), else None."""
-        scaling = self.config.rope_scaling or {}
+        scaling = self.decoder_config.rope_scaling or {}
         if scaling.get("rope_type") != "longrope":
             return None
         return int(scaling["original_max_position_embeddings"])
@@ -178,13 +184,13 @@ class DecoderLM(CausalLMShell):
         def kv_cache(window: int | None) -> KVCache:
             if kind == "static":
                 weight = self._float_param()
-                assert self.config.num_key_value_heads is not None
-                assert self.config.head_dim is not None
+                assert self.decoder_config.num_key_value_heads is not None
+                assert self.decoder_config.head_dim is not None
                 return StaticKVCache(
                     max_length=max_length,
                     batch_size=batch_size,
-                    num_kv_heads=self.config.num_key_value_heads,
-                    head_dim=self.config.head_dim,
+                    num_kv_heads=self.decoder_config.num_key_value_heads,
+                    head_dim=self.decoder_config.head_dim,
                     dtype=weight.dtype if dtype is None else dtype,
                     device=weight.device if device is None else device,
                 )
@@ -193,9 +199,11 @@ class DecoderLM(CausalLMShell):
             return DynamicKVCache(capacity=max_length)
 
         layers: list[LayerCache] = []
-        for spec, window in zip(self.config.layer_specs, self.layer_windows):
+        for spec, window in zip(self.decoder_config.layer_specs, self.layer_windows):
             own = get_mixer(spec.mixer).new_cache  # a hybrid mixes KV caches and states
-            layers.append(kv_cache(window) if own is None else own(self.config, kind, max_length))
+            layers.append(
+                kv_cache(window) if own is None else own(self.decoder_config, kind, max_length)
+            )
         return ModelCache(layers=layers)
 
     def forward(
@@ -255,7 +263,9 @@ class DecoderLM(CausalLMShell):
         if extra is not None and (past_key_values is not None or use_cache):
             raise ValueError("a pattern attention_mask is for uncached forwards (no cache)")
         cache = past_key_values
-        if cache is None and use_cache:
+        if cache is not None:
+            self._check_cache(cache, x.dtype)
+        elif use_cache:
             cache = self.new_cache()
         start = cache.length if cache is not None else 0
         pad_mask = None if isinstance(attention_mask, MaskPattern) else attention_mask
@@ -285,7 +295,7 @@ class DecoderLM(CausalLMShell):
         if labels is not None and return_logits:
             loss = causal_lm_loss(logits, labels)
         elif labels is not None:  # ``logits`` holds the final hidden states
-            v = self.config.vocab_size
+            v = self.decoder_config.vocab_size
             loss = chunked_causal_lm_loss(logits, self._head, labels, vocab_size=v)
         return CausalLMOutput(
             logits=logits if return_logits else None,
@@ -308,7 +318,7 @@ class DecoderLM(CausalLMShell):
             router_logits: ``output.router_logits`` (``output_router_logits=True``).
             attention_mask: ``[B, L]`` 1/0 over the same tokens, padding left out.
         """
-        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        moe = self.decoder_config.layer_specs[self.decoder_config.moe_layers[0]].moe
         assert moe is not None
         loss = moe.router_aux_loss_coef * load_balancing_loss(
             router_logits, moe.num_experts, moe.top_k, attention_mask
@@ -321,7 +331,7 @@ class DecoderLM(CausalLMShell):
         self, router_logits: list[Tensor], attention_mask: Tensor | None, b: int, n: int
     ) -> Tensor:
         """Load-balancing loss over the MoE layers (the first MoE layer's ``E`` and ``k``)."""
-        moe = self.config.layer_specs[self.config.moe_layers[0]].moe
+        moe = self.decoder_config.layer_specs[self.decoder_config.moe_layers[0]].moe
         assert moe is not None
         mask = attention_mask[:, -n:] if attention_mask is not None else None  # [B, L]
         return load_balancing_loss(router_logits, moe.num_experts, moe.top_k, mask)
@@ -378,7 +388,7 @@ class DecoderLM(CausalLMShell):
     ) -> str:
         """The backend the registry picks for :meth:`decode_step` with these arguments."""
         n = input_ids.shape[1]
-        d = self.config.hidden_size
+        d = self.decoder_config.hidden_size
         x = self._float_param().new_empty((input_ids.shape[0], n, d))  # shape and dtype only
         first = first_kv(cache, self.layer_windows, self.layer_windows[0])
         q_slots = start + torch.arange(n, device=x.device)[None]
@@ -462,20 +472,20 @@ class DecoderLM(CausalLMShell):
     def _embed_extras(self, x: Tensor, positions: Tensor) -> Tensor:
         """What follows the token embedding: Gemma's scale, absolute positions, the
         embedding norm, dropout."""
-        if self.config.embedding_scale is not None:  # Gemma: sqrt(D) in the weights' dtype
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        if self.decoder_config.embedding_scale is not None:  # Gemma: sqrt(D) in the weights' dtype
+            x = x * torch.tensor(self.decoder_config.embedding_scale, dtype=x.dtype)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        if self.training and self.config.hidden_dropout > 0:
+        if self.training and self.decoder_config.hidden_dropout > 0:
             x = self.dropout(x)
         return x
 
     def _head(self, x: Tensor) -> Tensor:
         """Logits ``[.., V]`` of final hidden states (Gemma 2's soft-cap included)."""
         logits = self.lm_logits(x)
-        cap = self.config.final_logit_softcapping
+        cap = self.decoder_config.final_logit_softcapping
         if cap is not None:  # Gemma 2's output soft-cap
             logits = torch.tanh(logits / cap) * cap
         return logits

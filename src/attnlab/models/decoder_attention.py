@@ -126,7 +126,7 @@ def attention_call(
 ) -> AttentionCall:
     """The one :class:`AttentionCall` every model-attention layer of this forward shares
     (``first``: the first layer's cache; a paged one gives the call its block size)."""
-    c = model.config
+    c = model.decoder_config
     assert c.head_dim is not None and c.num_key_value_heads is not None
     b, n = x.shape[:2]
     training = model.training
@@ -155,7 +155,7 @@ def explain(
     """:meth:`DecoderLM.explain_attention`: one entry per distinct window of an uncached
     forward of ``input_ids`` (its layers, window, pattern and the registry's choice)."""
     b, n = input_ids.shape
-    x = model._float_param().new_empty((b, n, model.config.hidden_size))  # shape and dtype
+    x = model._float_param().new_empty((b, n, model.decoder_config.hidden_size))  # shape and dtype
     mask = model._check_mask(attention_mask, b, n)
     q_slots = torch.arange(n, device=x.device)[None]
     plans = attention_plans(model, x, 0, mask, q_slots, q_slots, None, False, None, None)

@@ -12,7 +12,7 @@ from typing import Any
 
 from attnlab.functional._checks import check_positive_int, check_probability, check_real
 from attnlab.functional.positions import check_rope_parameters
-from attnlab.models._base import ConfigBase
+from attnlab.models._base import ConfigBase, check_kv_heads, check_model_type
 from attnlab.models.layout import LayerSpec, MoEConfig
 from attnlab.modules.activations import activation_names
 
@@ -125,23 +125,15 @@ class DecoderConfig(ConfigBase):
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        for name in (
+        self._check_positive_ints(
             "vocab_size",
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",
             "intermediate_size",
             "max_position_embeddings",
-        ):
-            check_positive_int(name, getattr(self, name))
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        check_positive_int("num_key_value_heads", self.num_key_value_heads)
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        )
+        check_kv_heads(self)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
@@ -176,8 +168,7 @@ class DecoderConfig(ConfigBase):
         ):
             if getattr(self, name) is not None:
                 check_real(name, getattr(self, name), gt=0.0)
-        if self.model_type is not None and not isinstance(self.model_type, str):
-            raise TypeError(f"model_type must be a str or None, got {self.model_type!r}")
+        check_model_type(self)
         check_rope_parameters(self.rope_theta, self.rope_scaling)
         if self.sliding_window is not None:
             check_positive_int("sliding_window", self.sliding_window)

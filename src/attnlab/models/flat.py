@@ -92,7 +92,7 @@ def _flat_plans(
 ) -> dict[int | None, AttentionPlan]:
     """One plan per sliding window of the layers: the per-sequence pattern (causal, the
     window, the score modifiers; no padding: there is none) on each token's position."""
-    c = model.config
+    c = model.decoder_config
     assert c.head_dim is not None and c.num_key_value_heads is not None
     lengths = batch.layout.lengths
     n_s, width = len(lengths), max(lengths)

@@ -1,11 +1,11 @@
 """What every causal language model of attnlab shares, whatever its layers mix.
 
-:class:`~attnlab.models.decoder.DecoderLM` (attention, linear and hybrid mixers) and the
-recurrent models of :mod:`attnlab.models.recurrent` (Mamba, Mamba-2, RWKV-4, RetNet) are
-one shell: token embeddings, a stack of layers with one cache entry each, a final norm
-and an LM head (the embeddings when tied), ``generate``/``stream`` through
-:mod:`attnlab.generation`, and the same checks of a forward's ``attention_mask`` and
-``position_ids``.
+The shell of :class:`~attnlab.models.decoder.DecoderLM` (attention, linear, recurrent
+and hybrid mixers), and so of its presets (Mamba, Mamba-2, RWKV-4 and RetNet,
+:mod:`attnlab.models.recurrent`): token embeddings, a stack of layers with one cache
+entry each, a final norm and an LM head (the embeddings when tied),
+``generate``/``stream`` through :mod:`attnlab.generation`, and the same checks of a forward's inputs (the token ids or
+embeddings, ``attention_mask``, ``position_ids`` and the cache it continues).
 
 Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens so far (cached + new).
 """
@@ -15,9 +15,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
-from attnlab.functional._checks import check_binary_mask, check_tensor, check_token_ids
+from attnlab.cache.base import ModelCache
+from attnlab.cache.recurrent import RecurrentState
+from attnlab.functional._checks import (
+    check_binary_mask,
+    check_index_range,
+    check_integer_tensor,
+    check_tensor,
+)
 
 __all__ = ["CausalLMShell"]
 
@@ -61,24 +69,58 @@ class CausalLMShell(nn.Module):
 
     def _embed_tokens(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
         """``[B, L, D]``: the embeddings of ``input_ids`` (checked against the vocabulary),
-        or ``inputs_embeds`` checked."""
+        or ``inputs_embeds`` checked (shape, and the weights' dtype)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        d = self.config.hidden_size
         if inputs_embeds is not None:
             check_tensor("inputs_embeds", inputs_embeds)
             if (
                 inputs_embeds.dim() != 3
-                or inputs_embeds.shape[-1] != self.config.hidden_size
+                or inputs_embeds.shape[-1] != d
                 or inputs_embeds.shape[:2].numel() == 0
             ):
                 raise ValueError(
-                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}) with at "
-                    f"least one token, got {tuple(inputs_embeds.shape)}"
+                    f"inputs_embeds must be (batch, seq_len, {d}) with at least one token, "
+                    f"got {tuple(inputs_embeds.shape)}"
+                )
+            want = self.embed_tokens.weight.dtype
+            if want.is_floating_point and inputs_embeds.dtype != want:
+                raise TypeError(
+                    f"inputs_embeds is {inputs_embeds.dtype}, the model's weights are {want}: "
+                    f"pass inputs_embeds.to({want}) or convert the model"
                 )
             return inputs_embeds
-        assert input_ids is not None
-        check_token_ids("input_ids", input_ids, self.config.vocab_size)
-        return self.embed_tokens(input_ids)
+        ids = check_integer_tensor("input_ids", input_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError(
+                f"input_ids has no tokens (shape {tuple(ids.shape)}); a model needs at least "
+                "one token per row"
+            )
+        check_index_range("token ids of input_ids", ids, self.config.vocab_size, bound="vocab_size")
+        return self.embed_tokens(ids)
+
+    def _check_cache(self, cache: ModelCache, dtype: torch.dtype) -> None:
+        """A cache continued by this model: one entry per layer, and recurrent states of
+        the dtype the model computes in."""
+        layers = getattr(self, "layers", ())
+        if len(cache.layers) != len(layers):
+            raise ValueError(
+                f"past_key_values has {len(cache.layers)} layer states, the model has "
+                f"{len(layers)} layers (start one with model.new_cache())"
+            )
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, RecurrentState):
+                continue
+            other = next((t.dtype for t in layer._tensors() if t.dtype != dtype), None)
+            if other is not None:
+                raise TypeError(
+                    f"past_key_values: layer {i} holds {other} states, written by a model of "
+                    f"another dtype; this model computes in {dtype} (start a new cache, or "
+                    "convert the model to the cache's dtype)"
+                )
 
     @staticmethod
     def _check_mask(attention_mask: Tensor | None, b: int, total: int) -> Tensor | None:

@@ -63,7 +63,7 @@ class MambaConfig(ConfigBase):
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
+        self._check_positive_ints(
             "vocab_size",
             "hidden_size",
             "num_hidden_layers",
@@ -73,8 +73,7 @@ class MambaConfig(ConfigBase):
             "head_dim",
             "n_groups",
             "chunk_size",
-        ):
-            check_positive_int(name, getattr(self, name))
+        )
         if self.version not in (1, 2):
             raise ValueError(f"version must be 1 (Mamba) or 2 (Mamba-2), got {self.version!r}")
         if len(self.dt_limit) != 2 or not 0 <= self.dt_limit[0] <= self.dt_limit[1]:
@@ -139,14 +138,12 @@ class RWKVConfig(ConfigBase):
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "chunk_size"):
-            check_positive_int(name, getattr(self, name))
+        self._check_positive_ints("vocab_size", "hidden_size", "num_hidden_layers", "chunk_size")
         if self.attention_hidden_size is None:
             self.attention_hidden_size = self.hidden_size
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
-        check_positive_int("attention_hidden_size", self.attention_hidden_size)
-        check_positive_int("intermediate_size", self.intermediate_size)
+        self._check_positive_ints("attention_hidden_size", "intermediate_size")
         self._check_token_ids("pad_token_id", "bos_token_id", "eos_token_id")
 
 
@@ -187,14 +184,14 @@ class RetNetConfig(ConfigBase):
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "chunk_size"):
-            check_positive_int(name, getattr(self, name))
+        self._check_positive_ints(
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "chunk_size"
+        )
         if self.value_dim is None:
             self.value_dim = 2 * self.hidden_size
         if self.intermediate_size is None:
             self.intermediate_size = 2 * self.hidden_size
-        check_positive_int("value_dim", self.value_dim)
-        check_positive_int("intermediate_size", self.intermediate_size)
+        self._check_positive_ints("value_dim", "intermediate_size")
         if self.hidden_act not in ("gelu", "swish"):
             raise ValueError(f"hidden_act must be 'gelu' or 'swish', got {self.hidden_act!r}")
         if self.form not in ("chunkwise", "parallel"):

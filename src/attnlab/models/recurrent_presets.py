@@ -1,48 +1,59 @@
-"""The recurrent language models as presets of the one decoder shell.
+r"""The recurrent language models as presets of the one decoder shell: their configs as
+:class:`~attnlab.models.decoder_config.DecoderConfig`\ s, and their checkpoint names.
 
-:func:`mamba_decoder_config` writes a :class:`~attnlab.models.recurrent_config.MambaConfig`
-as ``mamba`` (version 1) or ``mamba2`` (version 2) layers without feed-forwards, and
-:func:`as_decoder` moves a :class:`~attnlab.models.recurrent.MambaLM`'s weights
-into it; :func:`rwkv_decoder_config` do the same for RWKV-4
-(``mixer="rwkv"``, ``ffn="rwkv"``, LayerNorms, the embedding norm as its ``pre_ln``).
-:func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
-as a :class:`~attnlab.models.decoder_config.DecoderConfig` of ``retention`` layers
-(:mod:`attnlab.models.recurrent_mixers`) with gated feed-forwards, RMSNorms and no
-position embedding, and :func:`as_decoder` moves a
-:class:`~attnlab.models.recurrent.RetNetLM`'s weights into that
-:class:`~attnlab.models.decoder.DecoderLM`: the same function of the same weights, which
-then mixes with attention or any other registered mixer in one layout.
+* :func:`mamba_decoder_config` writes a :class:`~attnlab.models.recurrent_config.MambaConfig`
+  as ``mamba`` (version 1) or ``mamba2`` (version 2) layers without feed-forwards;
+* :func:`rwkv_decoder_config` writes RWKV-4 (``mixer="rwkv"``, ``ffn="rwkv"``,
+  LayerNorms, the embedding norm as its ``pre_ln``);
+* :func:`retnet_decoder_config` writes a :class:`~attnlab.models.recurrent_config.RetNetConfig`
+  as ``retention`` layers (:mod:`attnlab.models.recurrent_mixers`) with gated
+  feed-forwards, RMSNorms and no position embedding.
+
+:class:`~attnlab.models.recurrent.MambaLM`, ``RWKVLM`` and ``RetNetLM`` are
+:class:`~attnlab.models.decoder.DecoderLM`\ s of these configs whose state dicts keep
+the checkpoint names (:data:`MAMBA_PARTS`... map them; :func:`checkpoint_key` and
+:func:`shell_key` rename). :func:`as_decoder` copies one into a plain ``DecoderLM``: the
+same function of the same weights, which then mixes with attention or any other
+registered mixer in one layout.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.layout import LayerSpec, MambaLayerConfig
 from attnlab.models.linear_layout import LinearLayerConfig
-from attnlab.models.recurrent import RWKVLM, MambaLM, RetNetLM
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
 
-__all__ = ["as_decoder", "mamba_decoder_config", "retnet_decoder_config", "rwkv_decoder_config"]
+__all__ = [
+    "MAMBA_PARTS",
+    "RETNET_PARTS",
+    "RWKV_PARTS",
+    "as_decoder",
+    "checkpoint_key",
+    "mamba_decoder_config",
+    "retnet_decoder_config",
+    "rwkv_decoder_config",
+    "shell_key",
+]
 
-#: MambaLM sub-module path -> DecoderLM sub-module path, within one layer.
-_MAMBA_PARTS = {"norm": "self_attn_norm", "mixer": "self_attention.mixer"}
+#: MambaLM checkpoint path -> DecoderLM sub-module path, within one layer.
+MAMBA_PARTS = {"norm": "self_attn_norm", "mixer": "self_attention.mixer"}
 
-#: RWKVLM sub-module path -> DecoderLM sub-module path, within one layer.
-_RWKV_PARTS = {
+#: RWKVLM checkpoint path -> DecoderLM sub-module path, within one layer.
+RWKV_PARTS = {
     "ln1": "self_attn_norm",
     "attention": "self_attention.mixer",
     "ln2": "ffn_norm",
     "feed_forward": "feed_forward.mixer",
 }
 
-#: RetNetLM sub-module path -> DecoderLM sub-module path, within one layer. RetNet's GLU
+#: RetNetLM checkpoint path -> DecoderLM sub-module path, within one layer. RetNet's GLU
 #: ``fc2(act(fc1(x)) * gate(x))`` is the gated feed-forward ``down(act(gate(x)) * up(x))``.
-_RETNET_PARTS = {
+RETNET_PARTS = {
     "retention_layer_norm": "self_attn_norm",
     "retention": "self_attention.mixer",
     "final_layer_norm": "ffn_norm",
@@ -92,30 +103,42 @@ def retnet_decoder_config(config: RetNetConfig) -> DecoderConfig:
     )
 
 
-def _decoder_key(key: str, parts: dict[str, str]) -> str:
-    """A recurrent model's state-dict key as its preset :class:`DecoderLM`'s."""
-    if key.startswith("norm_f."):
-        return "norm." + key[len("norm_f.") :]
-    if key.startswith("pre_ln."):  # RWKV's LayerNorm of the embeddings
-        return "embed_norm." + key[len("pre_ln.") :]
+#: Checkpoint name -> shell name of the parts outside the layers (the final norm, RWKV's
+#: LayerNorm of the embeddings); the embeddings and the LM head keep theirs.
+_OUTER = {"norm_f.": "norm.", "pre_ln.": "embed_norm."}
+
+
+def shell_key(key: str, parts: dict[str, str]) -> str | None:
+    """A checkpoint name as the shell's (:class:`DecoderLM`'s) name, or None when ``key``
+    is no checkpoint name of a model with these ``parts``."""
+    for ours, theirs in _OUTER.items():
+        if key.startswith(ours):
+            return theirs + key[len(ours) :]
     if not key.startswith("layers."):
-        return key  # embed_tokens, lm_head
-    i, rest = key[len("layers.") :].split(".", 1)
+        return key if key.startswith(("embed_tokens.", "lm_head.")) else None
+    i, _, rest = key[len("layers.") :].partition(".")
     for ours, theirs in parts.items():
         if rest == ours or rest.startswith(ours + "."):
             return f"layers.{i}.{theirs}{rest[len(ours) :]}"
-    raise ValueError(f"no DecoderLM key for the key {key!r}")
+    return None
 
 
-def _moved(
-    model: MambaLM | RWKVLM | RetNetLM, config: DecoderConfig, parts: dict[str, str], backend: str
-) -> DecoderLM:
-    """A :class:`DecoderLM` of ``config`` holding copies of ``model``'s weights."""
-    weight = model.embed_tokens.weight
-    out = DecoderLM(config, backend=backend)
-    out.to(dtype=weight.dtype, device=weight.device)
-    out.load_state_dict({_decoder_key(k, parts): v for k, v in model.state_dict().items()})
-    return out.train(model.training)
+def checkpoint_key(key: str, parts: dict[str, str]) -> str:
+    """The shell's name of a weight as its checkpoint name (:func:`shell_key` inverted).
+
+    Raises:
+        ValueError: ``key`` is no weight of a model with these ``parts``.
+    """
+    for ours, theirs in _OUTER.items():
+        if key.startswith(theirs):
+            return ours + key[len(theirs) :]
+    if not key.startswith("layers."):
+        return key
+    i, _, rest = key[len("layers.") :].partition(".")
+    for ours, theirs in parts.items():
+        if rest == theirs or rest.startswith(theirs + "."):
+            return f"layers.{i}.{ours}{rest[len(theirs) :]}"
+    raise ValueError(f"no checkpoint name for the weight {key!r}")
 
 
 def mamba_decoder_config(config: MambaConfig) -> DecoderConfig:
@@ -209,23 +232,20 @@ def rwkv_decoder_config(config: RWKVConfig) -> DecoderConfig:
     )
 
 
-#: Each recurrent model class: its config as a DecoderConfig, and its key map.
-_PRESETS: dict[type, tuple[Callable[[Any], DecoderConfig], dict[str, str]]] = {
-    MambaLM: (mamba_decoder_config, _MAMBA_PARTS),
-    RWKVLM: (rwkv_decoder_config, _RWKV_PARTS),
-    RetNetLM: (retnet_decoder_config, _RETNET_PARTS),
-}
-
-
-def as_decoder(model: MambaLM | RWKVLM | RetNetLM, *, backend: str = "auto") -> DecoderLM:
-    """The :class:`DecoderLM` preset of a recurrent model, holding copies of its weights
-    (the same function of the same weights; eval or train mode as ``model``).
+def as_decoder(model: Any, *, backend: str = "auto") -> DecoderLM:
+    """A plain :class:`DecoderLM` holding copies of a recurrent model's weights (the same
+    function of the same weights; eval or train mode as ``model``), free to be mixed
+    with other layers or converted like any decoder.
 
     Raises:
         TypeError: ``model`` is not a :class:`MambaLM`, :class:`RWKVLM` or :class:`RetNetLM`.
     """
-    preset = _PRESETS.get(type(model))
-    if preset is None:
+    parts = getattr(type(model), "checkpoint_parts", None)
+    if not isinstance(model, DecoderLM) or parts is None:
         raise TypeError(f"model must be a MambaLM, RWKVLM or RetNetLM, got {type(model).__name__}")
-    to_config, parts = preset
-    return _moved(model, to_config(model.config), parts, backend)
+    weight = model.embed_tokens.weight
+    out = DecoderLM(model.decoder_config, backend=backend)
+    out.to(dtype=weight.dtype, device=weight.device)
+    state = {shell_key(k, parts) or k: v for k, v in model.state_dict().items()}
+    out.load_state_dict(state)
+    return out.train(model.training)

@@ -79,8 +79,7 @@ class Seq2SeqConfig(ConfigBase):
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers"):
-            check_positive_int(name, getattr(self, name))
+        self._check_positive_ints("vocab_size", "d_model", "num_heads", "d_ff", "num_layers")
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         check_positive_int("num_decoder_layers", self.num_decoder_layers)
@@ -104,8 +103,9 @@ class Seq2SeqConfig(ConfigBase):
             raise ValueError(
                 f"unknown dense_act_fn {self.dense_act_fn!r}; known: {activation_names()}"
             )
-        for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
-            check_positive_int(name, getattr(self, name))
+        self._check_positive_ints(
+            "relative_attention_num_buckets", "relative_attention_max_distance"
+        )
         check_positive_int("max_position_embeddings", self.max_position_embeddings)
         if self.position_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")

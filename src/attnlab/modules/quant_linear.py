@@ -196,6 +196,8 @@ class Int8Linear(QuantLinear):
     def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if name == "int8pack":
             return self.qweight.contiguous(), self.scales[:, 0].to(dtype).contiguous()
+        if name == "fused":
+            return self.qweight.contiguous(), self.scales.contiguous()
         assert name == "int8groups"
         g = self.group_size
         out: list[Tensor] = []
@@ -290,6 +292,10 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(self.levels(), self.scales, self.mins, dtype)
 
     def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        if name == "fused":
+            from attnlab.backends.qmatmul_cpu import repack_int4
+
+            return repack_int4(self.levels()), self.scales.contiguous(), self.mins.contiguous()
         assert name == "int4pack"
         packed = torch._convert_weight_to_int4pack_for_cpu(self.levels().to(torch.int32), 2)
         # the kernel computes (q - 8) * scale + zero: zero = min + 8 * scale

@@ -381,7 +381,7 @@ class Engine:
                 first += n
                 continue
             self.pool.manager.commit(seq.seq_id, n)
-            if seq.in_pool and self.pool.num_computed(seq.seq_id) == len(seq.tokens):
+            if seq.in_pool and self.pool.num_computed(seq.seq_id) == seq.num_tokens:
                 done.append((first, seq))
             first += 1
         accepted = self.metrics.spec_accepted_tokens

@@ -78,7 +78,7 @@ class OutputProcessor:
             seq.text += seq.detok.flush()
             reason = "stop"
         if reason is None and (
-            len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len
+            len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
         if reason == "length":

@@ -73,7 +73,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in lists
 class Request:
     """A request in the engine: its prompt, parameters and choices."""
 
@@ -97,7 +97,7 @@ class Request:
         )
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a field-by-field == per lookup is slow
 class Seq:
     """One choice of a request: the sequence the scheduler runs and the sampler extends."""
 
@@ -118,6 +118,11 @@ class Seq:
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(tokens)``, without building the list."""
+        return len(self.request.prompt_ids) + len(self.output_ids)
 
 
 def run_offline(

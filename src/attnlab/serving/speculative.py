@@ -74,7 +74,7 @@ class SpeculativeConfig:
                 self.num_tokens,
                 at_most,
                 seq.request.params.max_tokens - len(seq.output_ids) - 1,
-                max_model_len - len(seq.tokens) - 1,
+                max_model_len - seq.num_tokens - 1,
             )
             if k <= 0:
                 return []

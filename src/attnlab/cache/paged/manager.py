@@ -98,17 +98,23 @@ class KVManager:
         return self.allocator.num_held
 
     def stored_slots(self) -> int:
-        """Token slots of held blocks that hold a token (a shared block is counted once)."""
-        fill: dict[int, int] = {}
+        """Token slots of held blocks that hold a token (a shared block is counted once).
+
+        Every held block is full but the tail blocks of a sequence (from its computed
+        tokens on); a block shared by several sequences holds as many tokens for each
+        (a holder that writes into a shared block copies it first, and only full blocks
+        are shared through the prefix cache). So only the tails are visited: the cost
+        grows with the sequences, not with their lengths (this runs every engine step).
+        """
         bs = self.block_size
+        tails: dict[int, int] = {}
         for s in self.seqs.values():
-            for i, blk in enumerate(s.blocks):
-                if blk == FREED:
-                    continue
-                n = min(bs, max(0, s.computed - i * bs))
-                if n > fill.get(blk, 0):
-                    fill[blk] = n
-        return sum(fill.values())
+            for i in range(max(s.computed // bs, s.first_live), len(s.blocks)):
+                blk = s.blocks[i]
+                n = max(0, s.computed - i * bs)  # < bs: the block is not full
+                if blk != FREED and n >= tails.get(blk, 0):
+                    tails[blk] = n
+        return (self.num_used_blocks - len(tails)) * bs + sum(tails.values())
 
     def waste(self) -> float:
         """Allocated slots holding no token / allocated slots (0 when nothing is allocated)."""
