@@ -374,17 +374,32 @@ def weight_bytes(m: torch.nn.Module) -> int:
 
 
 def q8_0_file(peer: LlamaCpp, q4_1: Path, tmp: Path) -> Path:
-    """SmolLM2 as Q8_0, quantized by llama.cpp from the F32 file attnlab writes."""
+    """SmolLM2 as Q8_0, quantized by llama.cpp from the F32 file attnlab writes; and
+    attnlab's own Q8_0 file (``to_gguf(dtype="q8_0")``) loaded by llama.cpp as a check
+    (a ``tokenizer.ggml.pre`` llama.cpp did not know made it refuse both files once)."""
     import attnlab
 
-    f32, q8 = tmp / "smollm2.f32.gguf", tmp / "smollm2.q8_0.gguf"
+    f32, q8, ours = (tmp / f"smollm2.{k}.gguf" for k in ("f32", "q8_0", "attnlab-q8_0"))
     flt = attnlab.from_gguf(q4_1)
     attnlab.to_gguf(flt, f32, dtype="f32", tokenizer=flt.tokenizer)
     rc = peer.ask(op="quantize_file", src=str(f32), dst=str(q8), ftype=LLAMA_FTYPE_MOSTLY_Q8_0)
     if rc["rc"] != 0:
         raise RuntimeError(f"llama_model_quantize failed with {rc['rc']}")
     f32.unlink()
+    attnlab.to_gguf(flt, ours, dtype="q8_0", tokenizer=flt.tokenizer)
+    PeerModel(peer, ours).prefill([1, 2])  # raises if llama.cpp refuses attnlab's file
+    print("  llama.cpp loads attnlab's to_gguf Q8_0 file: yes", flush=True)
+    ours.unlink()
     return q8
+
+
+def profile_decode(ours: OursModel, prompt: list[int], new: int = 32) -> str:
+    """torch.profiler's per-op table (self CPU time) of one attnlab generation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ours.decode(prompt, new)
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
 def timed_pairs(
@@ -419,6 +434,11 @@ def main() -> None:
         "default: AMX's tileloadd died with SIGILL on this virtual CPU, which lists amx_tile",
     )
     p.add_argument("--skip-q8-0", action="store_true", help="compare on the Q4_1 file only")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the decode section: torch.profiler over 32 attnlab decode steps per file",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args()
     if args.build_llamacpp or not peer_ready():
@@ -487,6 +507,21 @@ def main() -> None:
                                              "floor": floor}  # fmt: skip
                 print(f"  decode {name}: attnlab {ta:.1f} tok/s, llama.cpp {tb:.1f} tok/s "
                       f"({ta / tb:.2f}x); floor {floor:.0f} tok/s ({bw:.1f} GB/s)")  # fmt: skip
+            from attnlab.models.quantize import measure_kernels
+
+            # the decode step's choices (one row; memoised when the step was measured):
+            # last_choice would show the prefill's, the compiled graph does not update it
+            res["decode_kernels"] = {
+                k: {
+                    c.chosen: sum(1 for d in ch.values() if d.chosen == c.chosen)
+                    for c in ch.values()
+                }
+                for k, ch in ((k, measure_kernels(m, 1)) for k, m in ours.items())
+            }
+            print("  decode kernels:", json.dumps(res["decode_kernels"]))
+            if args.profile:
+                for name, (a, _) in pairs.items():
+                    print(f"  profile of 32 decode steps, {name}:\n{profile_decode(a, prompt)}")
             _, ta_tok = pairs["q4_1"][0].decode(prompt, 16)
             _, tb_tok = pairs["q4_1"][1].decode(prompt, 16)
             res["greedy_16_equal_q4_1"] = ta_tok == tb_tok
