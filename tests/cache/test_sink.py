@@ -110,9 +110,9 @@ def test_bad_input_is_refused() -> None:
 
 
 def test_recurrent_models_keep_their_state_and_pure_ones_are_refused() -> None:
+    from attnlab.models.layout import LayerSpec
     from attnlab.models.recurrent import MambaLM
     from attnlab.models.recurrent_config import MambaConfig
-    from attnlab.models.layout import LayerSpec
 
     mamba = MambaLM(MambaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1))
     with pytest.raises(ValueError, match="no attention layers"):
