@@ -151,6 +151,19 @@ def test_patterns_the_kernel_runs_and_refuses() -> None:
         )  # fmt: skip
 
 
+def test_bad_tables_and_dtypes_are_refused_by_name() -> None:
+    kp, vp, bt, _ = _pools([6], 2, 8)
+    q = torch.randn(1, 2, 1, 8)
+    past = BlockTable(torch.tensor([[0, 64]]), BS, (6,), (0,), (0,))  # block 64 of 64
+    with pytest.raises(ValueError, match="block ids up to 64; the pools hold 64 blocks"):
+        paged_kernel_attention(q, kp, vp, causal(), block_table=past)
+    short = BlockTable(torch.tensor([[0]]), BS, (6,), (0,), (0,))  # 6 tokens in 1 block
+    with pytest.raises(ValueError, match="rows of up to 6 tokens in 1 blocks"):
+        paged_kernel_attention(q, kp, vp, causal(), block_table=short)
+    with pytest.raises(TypeError, match="runs float32"):
+        paged_kernel_attention(q.double(), kp.double(), vp.double(), causal(), block_table=bt)
+
+
 def _call(**kw: object) -> AttentionCall:
     base: dict = dict(
         query_shape=(32, 4, 1, 64),

@@ -123,8 +123,10 @@ def paged_kernel_attention(
         ``(output [B, H, L, Ev], None)``; a query that sees no key gets zeros.
 
     Raises:
-        ValueError: no ``block_table``, pools that are not ``[slots, H_kv, E]``, or a
-            pattern the kernel does not run.
+        ValueError: no ``block_table``, pools that are not contiguous ``[slots, H_kv, E]``,
+            a table that points past the pools or holds fewer blocks than its rows' lengths,
+            or a pattern the kernel does not run.
+        TypeError: tensors other than float32.
         RuntimeError: the kernel is unavailable on this machine (the reason).
     """
     del dropout_p, return_weights, k_positions, enable_gqa
@@ -138,6 +140,7 @@ def paged_kernel_attention(
     window = pattern_window(attn_mask, is_causal)
     if isinstance(window, str):
         raise ValueError(f"the paged_kernel backend runs {window}")
+    _check_inputs(query, key, value, block_table)
     b, h, L, e = query.shape
     if q_positions is None:
         total = block_table.offsets[0] + block_table.lengths[0]  # T, the same for every row
@@ -159,6 +162,30 @@ def paged_kernel_attention(
         out,
     )
     return out, None
+
+
+def _check_inputs(query: Tensor, key: Tensor, value: Tensor, table: BlockTable) -> None:
+    """What the kernel would otherwise read out of bounds or misread, refused by name."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if dtypes != {torch.float32}:
+        raise TypeError(f"the paged_kernel backend runs float32, got {sorted(map(str, dtypes))}")
+    if not (key.is_contiguous() and value.is_contiguous()):
+        raise ValueError("the paged_kernel backend reads contiguous pools [slots, kv_heads, dim]")
+    if query.shape[0] != table.table.shape[0] or query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit {table.table.shape[0]} block-table rows "
+            f"over {key.shape[1]} key/value heads"
+        )
+    bs, width = table.block_size, table.table.shape[1]
+    held = key.shape[0] // bs
+    longest = max(table.lengths)
+    if longest > width * bs or (table.table.numel() and int(table.table.max()) >= held):
+        raise ValueError(
+            f"block_table holds rows of up to {longest} tokens in {width} blocks of {bs}, "
+            f"with block ids up to {int(table.table.max())}; the pools hold {held} blocks"
+        )
+    if min(table.offsets) < 0 or min(table.first_block) < 0:
+        raise ValueError(f"block_table offsets/first_block must be >= 0, got {table}")
 
 
 def _check(call: AttentionCall) -> str | None:
