@@ -6,7 +6,7 @@ spans of the prompt: what prompt lookup (Saxena, 2023) drafts from. Each round r
 alternating, plain greedy ``generate`` (eager: the chat's EOS may end it early, so the
 default rule does not compile) and ``generate(speculative="prompt_lookup")`` with the
 same EOS and ``max_new_tokens``; the tokens must be identical. Reported: tokens/s of each
-(best of the rounds), the speed-up, and the tokens accepted per verifying forward.
+(best of the rounds), the speed-up, and the first plain call's seconds.
 
 Usage::
 

@@ -107,3 +107,25 @@ def test_bad_input_is_refused() -> None:
     cache = sink_cache(model, window=4, sinks=1)
     with pytest.raises(ValueError, match="at most 5 new tokens"):
         model(torch.zeros(1, 9, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+def test_recurrent_models_keep_their_state_and_pure_ones_are_refused() -> None:
+    from attnlab.models.layout import LayerSpec
+    from attnlab.models.recurrent import MambaLM
+    from attnlab.models.recurrent_config import MambaConfig
+
+    mamba = MambaLM(MambaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="no attention layers"):
+        sink_cache(mamba, window=4)
+    torch.manual_seed(0)
+    hybrid = DecoderLM(
+        DecoderConfig.llama(
+            **(TINY | {"num_hidden_layers": 2}),
+            layers=(LayerSpec(mixer="mamba"), LayerSpec()),
+        )
+    ).eval()
+    cache = sink_cache(hybrid, window=6, sinks=2)
+    assert not isinstance(cache.layers[0], SinkKVCache)
+    assert isinstance(cache.layers[1], SinkKVCache)
+    ids = torch.randint(0, 50, (1, 5))
+    assert torch.equal(generate(hybrid, ids, 4, cache=cache), generate(hybrid, ids, 4))

@@ -153,15 +153,18 @@ def _library() -> ctypes.CDLL | str:
     lib = folder / f"qgemv-{tag}.so"
     if not lib.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        src = folder / f"qgemv-{tag}.c"
+        # per-process names (parallel test workers may build at once), renamed when whole
+        src = folder / f"qgemv-{tag}.{os.getpid()}.c"
         src.write_text(_SOURCE)
-        tmp = folder / f"qgemv-{tag}.{os.getpid()}.so"  # renamed when whole: atomic
+        tmp = folder / f"qgemv-{tag}.{os.getpid()}.so"
         try:
             subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
         except (OSError, subprocess.SubprocessError) as e:
             err = getattr(e, "stderr", "") or str(e)
             return f"building the fused kernel with {cc} failed: {err.strip()[:300]}"
+        finally:
+            src.unlink(missing_ok=True)
         os.replace(tmp, lib)
     try:
         dll = ctypes.CDLL(str(lib))

@@ -34,7 +34,20 @@ def sink_cache(model: Any, *, window: int, sinks: int = 4) -> ModelCache:
     """
     from attnlab.models.mixers import get_mixer
 
-    config = model.config
+    # a recurrent preset (MambaLM, RWKVLM, RetNetLM) runs the DecoderConfig it maps to
+    config = getattr(model, "decoder_config", None) or model.config
+    specs = getattr(config, "layer_specs", None)
+    if specs is None:
+        raise TypeError(
+            f"model: a sink cache needs a decoder with attention layers (DecoderLM or a "
+            f"recurrent preset), got {type(model).__name__}"
+        )
+    if not any(get_mixer(spec.mixer).new_cache is None for spec in specs):
+        raise ValueError(
+            f"window: this model has no attention layers (mixers "
+            f"{sorted({spec.mixer for spec in specs})}); its state is already a fixed size, so "
+            f"a sink window would change nothing: decode it without one"
+        )
     if getattr(config, "position_embedding", "rope") in ("learned", "sinusoidal"):
         raise ValueError(
             f"a sink cache needs relative positions (RoPE, ALiBi or none); this model uses "
@@ -47,7 +60,7 @@ def sink_cache(model: Any, *, window: int, sinks: int = 4) -> ModelCache:
             f"sliding-window layers (windows {sorted({w for w in windows if w})})"
         )
     layers: list[LayerCache] = []
-    for spec, layer in zip(config.layer_specs, model.layers):
+    for spec, layer in zip(specs, model.layers):
         own = get_mixer(spec.mixer).new_cache
         if own is not None:
             layers.append(own(config, "dynamic", 0))
