@@ -11,6 +11,7 @@ step's bare matmuls (every weight multiplied once at the step's rows).
 Usage::
 
     PYTHONPATH=src python benchmarks/serving_step.py [--streams 1 8 32] [--threads 2]
+        [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -81,11 +82,11 @@ class Timed:
         return timed
 
 
-def one(streams: int, steps: int, top: int) -> list[str]:
+def one(streams: int, steps: int, top: int, temperature: float = 0.0) -> list[str]:
     m = model()
     engine = Engine(m, IdTokenizer(), max_num_seqs=64)
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=10_000 // 10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=10_000 // 10, temperature=temperature, ignore_eos=True)
     for i in range(streams):
         engine.add_request(f"r{i}", [rng.randrange(32000) for _ in range(128)], params)
     while engine.waiting or any(not s.output_ids for s in engine.running):
@@ -106,7 +107,8 @@ def one(streams: int, steps: int, top: int) -> list[str]:
             engine.step()
     ms = statistics.median(times) * 1000
     lines = [
-        f"### {streams} streams: {ms:.2f} ms per decode step, {streams / ms * 1000:.0f} tok/s",
+        f"### {streams} streams, temperature {temperature}: {ms:.2f} ms per decode step, "
+        f"{streams / ms * 1000:.0f} tok/s",
         "",
         f"Roles, ms per step: {roles}.",
         "",
@@ -127,11 +129,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' temperature: 0 is greedy, 1 samples every row (as guidellm)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for streams in args.streams:
-        print("\n".join(["", *one(streams, args.steps, args.top)]), flush=True)
+        lines = one(streams, args.steps, args.top, args.temperature)
+        print("\n".join(["", *lines]), flush=True)
 
 
 if __name__ == "__main__":
