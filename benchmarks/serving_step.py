@@ -17,7 +17,7 @@ sets the context (the step's layout should not grow with it).
 Usage::
 
     PYTHONPATH=src python benchmarks/serving_step.py [--streams 1 8 32] [--threads 2]
-        [--model llama|smollm2] [--buckets] [--prompt-tokens 128]
+        [--model llama|smollm2] [--buckets] [--prompt-tokens 128] [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def one(streams: int, steps: int, top: int, args: argparse.Namespace) -> list[st
         buckets = engine.runner.compile_buckets((streams,), max_model_len=2048)
         engine.runner.buckets = None
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=10_000 // 10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=10_000 // 10, temperature=args.temperature, ignore_eos=True)
     for i in range(streams):
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
         engine.add_request(f"r{i}", prompt, params)
@@ -121,7 +121,9 @@ def one(streams: int, steps: int, top: int, args: argparse.Namespace) -> list[st
         engine.step()
     for _ in range(3):
         engine.step()
-    lines = [f"### {streams} streams, {args.prompt_tokens}-token prompts"]
+    lines = [
+        f"### {streams} streams, {args.prompt_tokens}-token prompts, temperature {args.temperature}"
+    ]
     if buckets is not None:  # eager and compiled alternate over the same sequences
         eager, compiled = [], []
         for _ in range(3):
@@ -171,6 +173,12 @@ def main() -> None:
     ap.add_argument("--model", choices=["llama", "smollm2"], default="llama")
     ap.add_argument("--buckets", action="store_true", help="also time compiled decode buckets")
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' temperature: 0 is greedy, 1 samples every row (as guidellm)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

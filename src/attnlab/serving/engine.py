@@ -21,10 +21,9 @@ Requests join and leave at every step (iteration-level scheduling, Yu et al., 20
 * the :class:`~attnlab.serving.output_processor.OutputProcessor`: detokenise, apply the
   stop rules, gather each request's news into :class:`~attnlab.serving.outputs.RequestOutput`.
 
-The engine keeps the requests' lifecycle: admission checks
-(:func:`~attnlab.serving.validation.validate_request`), the ``n`` choices forked from
-the prompt's blocks, aborts, and the failure of one request without the others.
-It is not thread-safe: one thread calls :meth:`add_request`, :meth:`abort` and
+The requests' lifecycle (admission checks, the ``n`` choices forked from the prompt's
+blocks, aborts, the failure of one request without the others, offline runs) is the
+engine's base, :class:`~attnlab.serving.lifecycle.RequestLifecycle`. It is not thread-safe: one thread calls :meth:`add_request`, :meth:`abort` and
 :meth:`step`; :class:`~attnlab.serving.async_engine.AsyncEngine` runs it in a thread
 beside the HTTP event loop (the matmuls release the GIL and use all cores).
 """
@@ -34,42 +33,28 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._validate import check_int, check_positive_int
-from attnlab.serving.detokenize import IncrementalDetokenizer
+from attnlab.serving.lifecycle import QueueFull, RequestLifecycle
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.output_processor import OutputProcessor
-from attnlab.serving.outputs import (
-    CompletionDelta,
-    Request,
-    RequestOutput,
-    Seq,
-    TokenLogprob,
-    run_offline,
-)
-from attnlab.serving.params import SamplingParams
+from attnlab.serving.outputs import CompletionDelta, Request, RequestOutput, Seq, TokenLogprob
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 from attnlab.serving.scheduler import Scheduler
 from attnlab.serving.speculative import GeneratorRewind, accepted_prefix, check_speculative
 from attnlab.serving.step_sampling import sample_step
-from attnlab.serving.validation import check_kv_dtype, default_max_model_len, validate_request
+from attnlab.serving.validation import check_kv_dtype, default_max_model_len
 
 __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput", "TokenLogprob"]
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is full (the server answers 429)."""
-
-
-class Engine:
+class Engine(RequestLifecycle):
     """Continuous batching with a paged KV cache, for any attnlab decoder.
 
     Args:
@@ -205,152 +190,6 @@ class Engine:
         )
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % (1 << 31)))
 
-    @property
-    def eos_ids(self) -> set[int]:
-        """The end-of-sequence tokens (the tokenizer's, else the config's)."""
-        return self.output.eos_ids
-
-    @eos_ids.setter
-    def eos_ids(self, ids: set[int]) -> None:
-        self.output.eos_ids = set(ids)
-
-    # ------------------------------------------------------------------ requests
-
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Check a request against the context; raise :class:`ParamError` naming the field."""
-        validate_request(
-            prompt_ids,
-            params,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=self.pool.block_size,
-            num_blocks=self.pool.num_blocks,
-        )
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-    ) -> None:
-        """Queue a request (text, or token ids).
-
-        Raises:
-            ParamError: the request does not fit the context (``param`` names the field).
-            QueueFull: ``max_waiting`` requests are queued already.
-            ValueError: ``request_id`` is in use.
-        """
-        params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(ids, params)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is in use")
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(
-                f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})"
-            )
-        req = Request(request_id, ids, params, time.perf_counter(), next(self._order))
-        self.requests[request_id] = req
-        seq = self._new_seq(req, 0)
-        self.waiting.append(seq)
-        self.metrics.requests_received += 1
-
-    def _new_seq(self, req: Request, index: int) -> Seq:
-        gen = None
-        p = req.params
-        if not p.greedy and p.seed is not None:  # seed <= 2**63 - 1: seed + index fits torch
-            gen = torch.Generator().manual_seed(p.seed + index)
-        seq = Seq(
-            next(self._seq_ids),
-            req,
-            index,
-            gen,
-            IncrementalDetokenizer(
-                self.tokenizer, req.prompt_ids, skip_special_tokens=p.skip_special_tokens
-            ),
-        )
-        if p.grammar is not None:
-            seq.matcher = p.grammar.matcher()
-        req.seqs.append(seq)
-        return seq
-
-    def gauges(self) -> dict[str, float]:
-        """The gauges of ``/metrics`` as they are now (not as of the last step)."""
-        used = self.pool.num_used_blocks
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "blocks_used": used,
-            "waste": self.metrics.waste if used else 0.0,
-        }
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks. Returns False for an unknown/finished id."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for seq in req.seqs:
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
-            self._drop(seq)
-        self.metrics.requests_aborted += 1
-        return True
-
-    def _fail(self, req: Request, error: str) -> None:
-        """Fail one request inside a step: free its blocks, keep the error for its client."""
-        if req.error is not None:
-            return
-        log.warning("request %s failed: %s", req.request_id, error)
-        req.error = error
-        for seq in req.seqs:
-            if seq.finish_reason is None:
-                seq.finish_reason = "error"
-            self._drop(seq)
-
-    def _drop(self, seq: Seq) -> None:
-        if seq.in_pool:
-            self.pool.free(seq.seq_id)
-            self.runner.release(seq.seq_id)
-            seq.in_pool = False
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-
-    @property
-    def waiting(self) -> deque[Seq]:
-        """Sequences waiting to (re)enter the pool, in order."""
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> list[Seq]:
-        """Sequences holding blocks."""
-        return self.scheduler.running
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_work(self) -> bool:
-        """Whether a :meth:`step` would do anything."""
-        return bool(self.running or self.waiting)
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _admitted(self, seq: Seq, cached: int) -> None:
-        if seq.index == 0 and not seq.output_ids:
-            seq.request.cached_tokens = cached
-            self.metrics.prompt_tokens += len(seq.tokens)
-            self.metrics.cached_prompt_tokens += cached
-
-    def _preempted(self, seq: Seq) -> None:
-        self.runner.release(seq.seq_id)
-        self.metrics.preemptions += 1
-
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
@@ -482,19 +321,3 @@ class Engine:
 
     def _collect(self) -> list[RequestOutput]:
         return self.output.collect(self.requests)
-
-    # ------------------------------------------------------------------ offline use
-
-    def generate(
-        self,
-        prompts: Iterable[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[list[CompletionDelta]]:
-        """Run prompts to completion (continuous batching) and return each one's choices
-        (:func:`~attnlab.serving.outputs.run_offline`: the whole text, token ids, logprobs
-        and finish reason of each; a request that failed has ``finish_reason="error"``).
-
-        Raises:
-            ParamError: a request does not fit (none is queued then).
-        """
-        return run_offline(self, prompts, params, base=f"offline-{next(self._order)}-")
