@@ -12,9 +12,9 @@ whole batch, skipping operations no row uses, in vLLM's order:
    ``min_tokens``);
 3. repetition, frequency and presence penalties;
 4. greedy rows take the argmax here; the others are divided by their temperature,
-   filtered by min-p, top-k and top-p, and draw one token by the exponential race
-   (a seeded row draws its noise from its own generator, so its samples do not depend
-   on its neighbours in the batch).
+   filtered by min-p, top-k and top-p, and draw one token by the inverse CDF at one
+   float64 uniform per row (a seeded row draws it from its own generator, so its samples
+   do not depend on its neighbours in the batch).
 
 A row whose logits cannot give a token (NaN, ``+inf``, or every token masked) fails
 alone: it is reported in :attr:`SampleOutput.failed` and the other rows are sampled.
@@ -34,7 +34,6 @@ from torch import Tensor
 from attnlab.functional.sampling import (
     apply_penalties,
     min_p_filter,
-    sample_with_noise,
     top_k_filter,
     top_p_filter,
     unpack_bitmask,
@@ -45,8 +44,11 @@ __all__ = [
     "RowSampling",
     "SampleOutput",
     "SamplingSettings",
+    "draw_uniforms",
+    "inverse_cdf",
     "sample",
     "sampling_probs",
+    "skip_draws",
     "speculative_verify",
     "token_logprobs",
 ]
@@ -198,39 +200,104 @@ def _raw_logprobs(
     return want, logp, vals, idx
 
 
+def draw_uniforms(rows: Sequence[RowSampling], fallback: torch.Generator | None) -> Tensor:
+    """float64 ``[b]``: one uniform in ``[0, 1)`` per row, the only randomness a sampled row
+    uses. Rows without a generator share one call on ``fallback``; a seeded row draws
+    ``torch.rand(1, dtype=float64)`` from its own generator, so its stream is one such
+    draw per sampled position whatever its neighbours (:func:`skip_draws` replays them)."""
+    u = torch.empty(len(rows), dtype=torch.float64)
+    shared = [j for j, r in enumerate(rows) if r.generator is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), dtype=torch.float64, generator=fallback)
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            u[j] = torch.rand(1, dtype=torch.float64, generator=r.generator)[0]
+    return u
+
+
+def skip_draws(generator: torch.Generator, count: int) -> None:
+    """Advance a seeded row's generator by ``count`` sampled positions (what
+    :func:`draw_uniforms` draws from it for ``count`` rows)."""
+    for _ in range(count):
+        torch.rand(1, dtype=torch.float64, generator=generator)
+
+
 def _draw(
-    x: Tensor, rows: Sequence[RowSampling], sampled: list[int], fallback: torch.Generator | None
+    x: Tensor,
+    top: Tensor,
+    rows: Sequence[RowSampling],
+    sampled: list[int],
+    fallback: torch.Generator | None,
 ) -> Tensor:
-    """One token for each row in ``sampled``: temperature, min-p, top-k, top-p, noise."""
+    """One token for each row in ``sampled``: temperature, min-p, top-k, top-p, then the
+    inverse CDF of the row's distribution at one uniform.
+
+    ``exp(z - max z)`` (the softmax before normalising) is summed in float64 and the token
+    is the first whose running sum exceeds ``u`` times the total (:func:`inverse_cdf`):
+    it has probability ``w_i / sum(w)`` up to float64 rounding, and a token of weight 0
+    (filtered, masked, or underflowed) is never chosen. It draws one number per row where the exponential
+    race (``argmax(p / Exp(1))``) draws ``V``: at ``[8, 32000]`` the race's noise cost more
+    than the 32000-row output head (issue 21).
+    """
     sub = [rows[i] for i in sampled]
     temps = torch.tensor([r.settings.temperature for r in sub])
-    z = x[sampled] / temps[:, None]  # [b, V]
-    min_p = _column(sub, "min_p", 0.0)
-    if min_p is not None:
-        z = min_p_filter(z, min_p)
-    top_k = _column(sub, "top_k", 0.0)
-    if top_k is not None:
-        z = top_k_filter(z, top_k.long())
-    top_p = _column(sub, "top_p", 1.0)
-    if top_p is not None:
-        z = top_p_filter(z, top_p)
-    probs = torch.softmax(z, dim=-1)
-    noise = torch.empty_like(probs)
-    shared = [j for j, r in enumerate(sub) if r.generator is None]
-    if shared:
-        noise[shared] = torch.empty(len(shared), z.shape[-1]).exponential_(generator=fallback)
-    for j, r in enumerate(sub):
-        if r.generator is not None:
-            noise[j].exponential_(generator=r.generator)
-    return sample_with_noise(probs, noise.clamp_min_(1e-30))
+    every = len(sampled) == x.shape[0]
+    z = (x if every else x[sampled]) / temps[:, None]  # [b, V]
+    # the row maxima of z, exactly (division by a positive temperature is monotone and
+    # rounding keeps the order); the filters below never remove the maximum
+    z_max = (top if every else top[sampled]) / temps  # [b]
+    z = _filtered(z, sub)
+    w = torch.exp(z - z_max[:, None])  # [b, V] in [0, 1], 1 at the maximum
+    return inverse_cdf(w, draw_uniforms(sub, fallback))
+
+
+#: Tokens per block of :func:`inverse_cdf`'s two-level search.
+_BLOCK = 256
+
+
+def _first_above(c: Tensor, x: Tensor) -> Tensor:
+    """Per row, the first index whose running sum ``c`` (``[b, n]``) exceeds ``x``
+    (``[b, 1]``), or, if rounding left none, the last index of nonzero weight."""
+    first = torch.searchsorted(c, x, right=True)
+    last_nonzero = torch.searchsorted(c, c[:, -1:].contiguous(), right=False)
+    return torch.minimum(first, last_nonzero)
+
+
+def inverse_cdf(w: Tensor, u: Tensor) -> Tensor:
+    """Per row, the token whose interval of the running sum of ``w`` holds ``u`` times the
+    total: a draw from ``w / sum(w)`` given ``u ~ U[0, 1)``; a token of weight 0 is never
+    chosen. Two levels, so the float64 running sum covers ``V / 256 + 256`` values per
+    row, not ``V`` (a float64 ``cumsum`` of ``[32, 32000]`` cost about as much as the
+    exponential noise it replaced): the block sums (float64) choose a block, then the
+    running sum inside it the token.
+
+    Args:
+        w: ``[b, V]`` nonnegative weights, each row with a positive one.
+        u: float64 ``[b]`` in ``[0, 1)``.
+
+    Returns:
+        long ``[b]``.
+    """
+    b, vocab = w.shape
+    nb = -(-vocab // _BLOCK)
+    if nb * _BLOCK != vocab:
+        w = torch.nn.functional.pad(w, (0, nb * _BLOCK - vocab))  # zeros: never chosen
+    blocks = w.view(b, nb, _BLOCK)
+    cs = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [b, nb]
+    x = u[:, None] * cs[:, -1:]  # [b, 1], below the total
+    blk = _first_above(cs, x)  # [b, 1], a block of positive weight
+    before = torch.where(blk > 0, cs.gather(1, (blk - 1).clamp_min(0)), 0.0)  # [b, 1]
+    inside = blocks[torch.arange(b), blk[:, 0]]  # [b, BLOCK]
+    c = inside.cumsum(-1, dtype=torch.float64)
+    return (blk * _BLOCK + _first_above(c, x - before))[:, 0]
 
 
 def _prepared(
     logits: Tensor, rows: Sequence[RowSampling], bitmask: Tensor | None
-) -> tuple[Tensor, Tensor, dict[int, str]]:
-    """``(x [B, V], argmax [B], failed)``: the logits after the grammar masks,
-    ``logit_bias``, bans and penalties (steps 2-3), each row's first maximum, and the
-    rows that cannot give a token."""
+) -> tuple[Tensor, Tensor, Tensor, dict[int, str]]:
+    """``(x [B, V], max [B], argmax [B], failed)``: the logits after the grammar masks,
+    ``logit_bias``, bans and penalties (steps 2-3), each row's maximum and its first
+    index, and the rows that cannot give a token."""
     b, vocab = logits.shape
     if len(rows) != b:
         raise ValueError(f"sample: {b} rows of logits but {len(rows)} row settings")
@@ -262,7 +329,7 @@ def _prepared(
         for i, (v, is_bad) in enumerate(zip(top.tolist(), bad, strict=True))
         if is_bad
     }
-    return x, tokens, failed
+    return x, top, tokens, failed
 
 
 def token_logprobs(
@@ -304,10 +371,10 @@ def sample(
     Returns:
         The tokens, the requested log-probabilities and the rows that failed.
     """
-    x, tokens, failed = _prepared(logits, rows, bitmask)
+    x, top, tokens, failed = _prepared(logits, rows, bitmask)
     sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
     if sampled:
-        tokens[sampled] = _draw(x, rows, sampled, generator)
+        tokens[sampled] = _draw(x, top, rows, sampled, generator)
     out = tokens.tolist()
     for i in failed:
         out[i] = -1
@@ -327,7 +394,7 @@ def sampling_probs(
         sampled row is the softmax of its logits after steps 2-4 (masks, bias, bans,
         penalties, temperature, min-p, top-k, top-p); a failed row is all zeros.
     """
-    x, tokens, failed = _prepared(logits, rows, bitmask)
+    x, _, tokens, failed = _prepared(logits, rows, bitmask)
     probs = torch.zeros_like(x)
     greedy = [i for i, r in enumerate(rows) if r.settings.greedy and i not in failed]
     if greedy:

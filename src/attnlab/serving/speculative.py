@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from attnlab._validate import check_int
+from attnlab.generation.sampler import skip_draws
 
 __all__ = [
     "SPECULATIVE_METHODS",
@@ -170,20 +171,19 @@ def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
 class GeneratorRewind:
     """A seeded row's generator, rewound to the draws of the kept positions.
 
-    The sampler draws one ``[V]`` row of exponential noise per position from a seeded
-    request's generator. Verifying ``k`` drafts draws ``k + 1`` rows; plain decoding
-    would have drawn one per kept token, so after verification the generator is put
-    back and advanced by the kept positions only.
+    The sampler draws one float64 uniform per sampled position from a seeded request's
+    generator (:func:`~attnlab.generation.sampler.draw_uniforms`). Verifying ``k``
+    drafts draws ``k + 1`` of them; plain decoding would have drawn one per kept token,
+    so after verification the generator is put back and advanced by the kept positions
+    only (:func:`~attnlab.generation.sampler.skip_draws`, the same calls).
     """
 
     def __init__(self, generator: torch.Generator, vocab: int) -> None:
         self.generator = generator
-        self.vocab = vocab
+        self.vocab = vocab  # the draws no longer depend on it (one number per position)
         self.state = generator.get_state()
 
     def keep(self, positions: int) -> None:
-        """Leave the generator as if it had drawn ``positions`` noise rows since the mark."""
+        """Leave the generator as if it had drawn ``positions`` positions since the mark."""
         self.generator.set_state(self.state)
-        row = torch.empty(self.vocab)
-        for _ in range(positions):
-            row.exponential_(generator=self.generator)
+        skip_draws(self.generator, positions)
