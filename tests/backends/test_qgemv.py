@@ -69,7 +69,9 @@ def test_int8_activations_equal_the_same_arithmetic_in_float64(
     dots = torch.einsum("rbj,nbj->rnb", xq.reshape(rows, b, 32), lv.reshape(n, b, 32))
     sw = s.double().repeat_interleave(g // 32, 1)  # [N, K/32]
     terms = dots * d[:, None, :] * sw[None]  # [M, N, K/32]
-    absdots = torch.einsum("rbj,nbj->rnb", xq.abs().reshape(rows, b, 32), lv.abs().reshape(n, b, 32))
+    absdots = torch.einsum(
+        "rbj,nbj->rnb", xq.abs().reshape(rows, b, 32), lv.abs().reshape(n, b, 32)
+    )
     mags = absdots * d[:, None, :] * sw[None]
     if m is not None:
         mterm = sx[:, None, :] * m.double().repeat_interleave(g // 32, 1)[None]

@@ -304,9 +304,7 @@ class LinearChoice:
         times = ", ".join(f"{k} {v:.0f} us" for k, v in self.timings_us.items())
         why = f" ({times})" if times else ""
         act = " with int8 activations" if self.activations == "int8" else ""
-        return (
-            f"{self.chosen} [{self.how}{why}] in {self.compute_dtype}{act}: {self.dtype_reason}"
-        )
+        return f"{self.chosen} [{self.how}{why}] in {self.compute_dtype}{act}: {self.dtype_reason}"
 
 
 _MEMO: dict[tuple[object, ...], LinearChoice] = {}

@@ -75,7 +75,11 @@ def _register_fakes() -> None:
 
     def quant(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b = x.shape[1] // 32
-        return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0], b), x.new_empty(x.shape[0], b)
+        return (
+            x.new_empty(x.shape, dtype=torch.int8),
+            x.new_empty(x.shape[0], b),
+            x.new_empty(x.shape[0], b),
+        )
 
     torch.library.register_fake("attnlab_q::qgemv", gemv)
     torch.library.register_fake("attnlab_q::qgemv_q8", gemv)
