@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,34 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache"))
 from test_paged_cache import FAMILIES, _model, _run_mix
 
 
-def _pool_with(lengths: list[int], bs: int = 4) -> tuple[PagedKVPool, BlockTable]:
-    """A one-layer pool holding rows of ``lengths`` random tokens in interleaved blocks."""
-    pool = PagedKVPool(
-        num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=64, block_size=bs, dtype=torch.float64
-    )
-    pool.keys[0].normal_()
-    pool.values[0].normal_()
-    for r, n in enumerate(lengths):
-        pool.add_sequence(r, [0] * n)
-    for _ in range(max(lengths)):  # one token at a time across rows: interleaved blocks
-        for r, n in enumerate(lengths):
-            if pool.seqs[r].reserved < n:
-                pool.reserve(r, 1)
-    for r, n in enumerate(lengths):
-        pool.seqs[r].computed = n - 1
-    step = pool.begin_step([(r, 1) for r in range(len(lengths))])
-    assert step.blocks is not None
-    return pool, step.blocks
-
-
 @pytest.mark.parametrize("scored", [False, True])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_equals_the_reference_on_gathered_keys(
-    window: int | None, scored: bool
+    window: int | None, scored: bool, pool_with: Callable[..., tuple[PagedKVPool, BlockTable]]
 ) -> None:
     torch.manual_seed(0)
     lengths = [9, 3, 14]
-    pool, table = _pool_with(lengths)
+    pool, table = pool_with(lengths)
     t = max(lengths)
     q = torch.randn(3, 4, 1, 8, dtype=torch.float64)
     mask = torch.tensor([[0] * (t - n) + [1] * n for n in lengths])
@@ -77,10 +58,12 @@ def test_paged_attention_equals_the_reference_on_gathered_keys(
     torch.testing.assert_close(got, want)
 
 
-def test_paged_attention_skips_freed_blocks() -> None:
+def test_paged_attention_skips_freed_blocks(
+    pool_with: Callable[..., tuple[PagedKVPool, BlockTable]],
+) -> None:
     # blocks before first_block are not read: garbage there must not change the output
     torch.manual_seed(1)
-    pool, table = _pool_with([13, 13])
+    pool, table = pool_with([13, 13])
     q = torch.randn(2, 4, 1, 8, dtype=torch.float64)
     pattern = sliding_window(4)  # keys at slots 8..12 for the query at 12
     q_pos = torch.tensor([[12]])

@@ -5,6 +5,7 @@ through it equals offline ``generate``; ``auto`` ranks it and says why when it c
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from attnlab.backends import AttentionCall, choose_call, native
 from attnlab.backends.paged import paged_attention
 from attnlab.backends.paged_kernel import paged_kernel_attention, pattern_window
 from attnlab.backends.plan import BlockTable
+from attnlab.cache import PagedKVPool
 from attnlab.functional.masks import causal, padding, sliding_window
 from attnlab.functional.score_mods import alibi, softcap
 from attnlab.models.decoder import DecoderLM
@@ -79,45 +81,33 @@ def test_paged_kernel_equals_contiguous_attention(
         torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
 
 
-def test_paged_kernel_equals_the_block_copy_on_a_left_padded_step() -> None:
+def test_paged_kernel_equals_the_block_copy_on_a_left_padded_step(
+    pool_with: Callable[..., tuple[PagedKVPool, BlockTable]],
+) -> None:
     # the pool's own left-padded layout: slots offset per row, queries at the newest slot
-    from attnlab.cache import PagedKVPool
-
     lengths = [9, 3, 14]
-    pool = PagedKVPool(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=64, block_size=BS)
-    pool.keys[0].normal_()
-    pool.values[0].normal_()
-    for r, n in enumerate(lengths):
-        pool.add_sequence(r, [0] * n)
-    for _ in range(max(lengths)):  # one token at a time across rows: interleaved blocks
-        for r, n in enumerate(lengths):
-            if pool.seqs[r].reserved < n:
-                pool.reserve(r, 1)
-    for r, n in enumerate(lengths):
-        pool.seqs[r].computed = n - 1
-    step = pool.begin_step([(r, 1) for r in range(3)])
-    assert step.blocks is not None
+    pool, blocks = pool_with(lengths, BS, torch.float32)
     t = max(lengths)
     q = torch.randn(3, 4, 1, 8)
     mask = torch.tensor([[0] * (t - n) + [1] * n for n in lengths])
     q_pos = torch.tensor([[t - 1]])
     want, _ = paged_attention(
         q, pool.keys[0], pool.values[0], causal() & padding(mask), enable_gqa=True,
-        q_positions=q_pos, block_table=step.blocks,
+        q_positions=q_pos, block_table=blocks,
     )  # fmt: skip
     got, _ = paged_kernel_attention(
-        q, pool.keys[0], pool.values[0], causal(), q_positions=q_pos, block_table=step.blocks
+        q, pool.keys[0], pool.values[0], causal(), q_positions=q_pos, block_table=blocks
     )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # freed blocks (before first_block) are not read: NaN there changes nothing
-    freed = BlockTable(step.blocks.table, BS, step.blocks.lengths, step.blocks.offsets, (1, 0, 1))
+    freed = BlockTable(blocks.table, BS, blocks.lengths, blocks.offsets, (1, 0, 1))
     window = sliding_window(4)  # the newest 5 keys: all in the blocks still held
     want, _ = paged_attention(
         q, pool.keys[0], pool.values[0], window & padding(mask), enable_gqa=True,
         q_positions=q_pos, block_table=freed,
     )  # fmt: skip
     for row in (0, 2):
-        blk = int(step.blocks.table[row, 0])
+        blk = int(blocks.table[row, 0])
         pool.keys[0][blk * BS : (blk + 1) * BS] = float("nan")
     got, _ = paged_kernel_attention(
         q, pool.keys[0], pool.values[0], window, q_positions=q_pos, block_table=freed

@@ -112,7 +112,7 @@ def test_logit_bias_and_banned_tokens_equal_transformers() -> None:
     assert got[2] == int(ref.argmax()) and got[2] not in banned[2]
 
 
-def test_the_exponential_race_draws_from_the_distribution() -> None:
+def test_the_inverse_cdf_draws_from_the_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -9.0]])
     probs = torch.softmax(logits.double() / 0.7, -1)[0]
     g = torch.Generator().manual_seed(0)
@@ -122,6 +122,20 @@ def test_the_exponential_race_draws_from_the_distribution() -> None:
     freq = torch.bincount(torch.tensor(tokens), minlength=5).double() / n
     # four standard errors of a binomial frequency
     assert torch.all((freq - probs).abs() <= 4 * (probs * (1 - probs) / n).sqrt() + 1e-9)
+
+
+def test_a_token_of_weight_zero_is_never_drawn_even_at_the_ends_of_u(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``u = 0`` and the largest float64 below 1 choose the first and the last token of
+    nonzero weight, never a masked one (leading and trailing ones included)."""
+    from attnlab.generation import sampler as sampler_mod
+
+    logits = torch.tensor([[-5.0, 1.0, 2.0, 0.5, 3.0, -1.0, 0.0]])
+    rows = [RowSampling(SamplingSettings(temperature=1.0), banned=[0, 5, 6])] * 2
+    ends = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    monkeypatch.setattr(sampler_mod, "draw_uniforms", lambda rows, fallback: ends)
+    assert sample(logits.expand(2, -1), rows).tokens == [1, 4]
 
 
 def test_a_seeded_row_samples_the_same_whatever_its_neighbours() -> None:
@@ -195,3 +209,48 @@ def test_the_callers_logits_are_never_written() -> None:
     got = sample(logits, rows).tokens
     assert got[0] == 3 and got[1] != top
     assert torch.equal(logits, before)
+
+
+def test_a_seeded_row_draws_one_float64_uniform_per_position() -> None:
+    """The seeded stream rule (docs/serving.md): each sampled position of a seeded row
+    takes one ``torch.rand(1, dtype=float64)`` from its generator, which
+    :func:`skip_draws` replays (the engine's speculative rewind relies on it)."""
+    from attnlab.generation.sampler import skip_draws
+
+    logits = _logits(1, 7)
+    g = torch.Generator().manual_seed(5)
+    row = RowSampling(SamplingSettings(temperature=1.0), generator=g)
+    for _ in range(3):
+        sample(logits, [row])
+    replay = torch.Generator().manual_seed(5)
+    skip_draws(replay, 3)
+    assert torch.equal(g.get_state(), replay.get_state())
+    # the token is the inverse CDF at that uniform
+    u = float(torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    first = sample(logits, [RowSampling(row.settings, generator=torch.Generator().manual_seed(5))])
+    cdf = torch.softmax(logits[0].double(), -1).cumsum(-1)
+    assert first.tokens[0] == int((cdf <= u).sum())
+
+
+def test_the_two_level_inverse_cdf_equals_a_float64_running_sum() -> None:
+    """Blocks of 256, a padded last block, a block of zeros and scattered zeros: the token
+    is the float64 reference's at every u (away from an interval's edge by rounding)."""
+    from attnlab.generation.sampler import inverse_cdf
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 700  # three blocks, the last one padded
+    w = torch.rand(4, vocab, generator=gen) ** 4
+    w[:, 256:512] = 0.0  # a whole block of zero weight
+    w[torch.rand(4, vocab, generator=gen) < 0.3] = 0.0
+    w[3, :] = 0.0
+    w[3, 699] = 2.0  # one token of weight: always it
+    for _ in range(50):
+        u = torch.rand(4, dtype=torch.float64, generator=gen)
+        got = inverse_cdf(w, u)
+        c = w.double().cumsum(-1)
+        x = u[:, None] * c[:, -1:]
+        ref = torch.searchsorted(c, x, right=True)[:, 0]
+        edge = (c - x).abs().min(-1).values < 1e-9 * c[:, -1]
+        assert torch.all((got == ref) | edge), (got, ref)
+        assert torch.all(w[torch.arange(4), got] > 0)
+    assert inverse_cdf(w, torch.zeros(4, dtype=torch.float64))[3] == 699

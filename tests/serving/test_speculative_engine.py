@@ -143,7 +143,10 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tokenizer: Any) 
         assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
         for ca, cb in zip(a, b, strict=True):
             for la, lb in zip(ca.logprobs, cb.logprobs, strict=True):
-                assert la.token_id == lb.token_id and la.logprob == pytest.approx(lb.logprob)
+                # the logits come from forwards of other shapes (drafts as extra query
+                # tokens): equal up to kernel rounding, not bit for bit
+                assert la.token_id == lb.token_id
+                assert la.logprob == pytest.approx(lb.logprob, rel=1e-5, abs=1e-5)
     assert 0 < engine.metrics.spec_accepted_tokens < engine.metrics.spec_draft_tokens
 
 

@@ -12,9 +12,9 @@ whole batch, skipping operations no row uses, in vLLM's order:
    ``min_tokens``);
 3. repetition, frequency and presence penalties;
 4. greedy rows take the argmax here; the others are divided by their temperature,
-   filtered by min-p, top-k and top-p, and draw one token by the exponential race
-   (a seeded row draws its noise from its own generator, so its samples do not depend
-   on its neighbours in the batch).
+   filtered by min-p, top-k and top-p, and draw one token by the inverse CDF at one
+   float64 uniform per row (a seeded row draws it from its own generator, so its samples
+   do not depend on its neighbours in the batch).
 
 A row whose logits cannot give a token (NaN, ``+inf``, or every token masked) fails
 alone: it is reported in :attr:`SampleOutput.failed` and the other rows are sampled.
@@ -34,7 +34,6 @@ from torch import Tensor
 from attnlab.functional.sampling import (
     apply_penalties,
     min_p_filter,
-    sample_with_noise,
     top_k_filter,
     top_p_filter,
     unpack_bitmask,
@@ -45,8 +44,13 @@ __all__ = [
     "RowSampling",
     "SampleOutput",
     "SamplingSettings",
+    "draw_uniforms",
+    "inverse_cdf",
     "sample",
+    "sampling_probs",
+    "skip_draws",
     "speculative_verify",
+    "token_logprobs",
 ]
 
 #: A temperature below this samples greedily: dividing logits by ``1e-5`` already puts
@@ -196,56 +200,107 @@ def _raw_logprobs(
     return want, logp, vals, idx
 
 
+def draw_uniforms(rows: Sequence[RowSampling], fallback: torch.Generator | None) -> Tensor:
+    """float64 ``[b]``: one uniform in ``[0, 1)`` per row, the only randomness a sampled row
+    uses. Rows without a generator share one call on ``fallback``; a seeded row draws
+    ``torch.rand(1, dtype=float64)`` from its own generator, so its stream is one such
+    draw per sampled position whatever its neighbours (:func:`skip_draws` replays them)."""
+    u = torch.empty(len(rows), dtype=torch.float64)
+    shared = [j for j, r in enumerate(rows) if r.generator is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), dtype=torch.float64, generator=fallback)
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            u[j] = torch.rand(1, dtype=torch.float64, generator=r.generator)[0]
+    return u
+
+
+def skip_draws(generator: torch.Generator, count: int) -> None:
+    """Advance a seeded row's generator by ``count`` sampled positions (what
+    :func:`draw_uniforms` draws from it for ``count`` rows)."""
+    for _ in range(count):
+        torch.rand(1, dtype=torch.float64, generator=generator)
+
+
 def _draw(
-    x: Tensor, rows: Sequence[RowSampling], sampled: list[int], fallback: torch.Generator | None
+    x: Tensor,
+    top: Tensor,
+    rows: Sequence[RowSampling],
+    sampled: list[int],
+    fallback: torch.Generator | None,
 ) -> Tensor:
-    """One token for each row in ``sampled``: temperature, min-p, top-k, top-p, noise."""
+    """One token for each row in ``sampled``: temperature, min-p, top-k, top-p, then the
+    inverse CDF of the row's distribution at one uniform.
+
+    ``exp(z - max z)`` (the softmax before normalising) is summed in float64 and the token
+    is the first whose running sum exceeds ``u`` times the total (:func:`inverse_cdf`):
+    it has probability ``w_i / sum(w)`` up to float64 rounding, and a token of weight 0
+    (filtered, masked, or underflowed) is never chosen. It draws one number per row where the exponential
+    race (``argmax(p / Exp(1))``) draws ``V``: at ``[8, 32000]`` the race's noise cost more
+    than the 32000-row output head (issue 21).
+    """
     sub = [rows[i] for i in sampled]
     temps = torch.tensor([r.settings.temperature for r in sub])
-    z = x[sampled] / temps[:, None]  # [b, V]
-    min_p = _column(sub, "min_p", 0.0)
-    if min_p is not None:
-        z = min_p_filter(z, min_p)
-    top_k = _column(sub, "top_k", 0.0)
-    if top_k is not None:
-        z = top_k_filter(z, top_k.long())
-    top_p = _column(sub, "top_p", 1.0)
-    if top_p is not None:
-        z = top_p_filter(z, top_p)
-    probs = torch.softmax(z, dim=-1)
-    noise = torch.empty_like(probs)
-    shared = [j for j, r in enumerate(sub) if r.generator is None]
-    if shared:
-        noise[shared] = torch.empty(len(shared), z.shape[-1]).exponential_(generator=fallback)
-    for j, r in enumerate(sub):
-        if r.generator is not None:
-            noise[j].exponential_(generator=r.generator)
-    return sample_with_noise(probs, noise.clamp_min_(1e-30))
+    every = len(sampled) == x.shape[0]
+    z = (x if every else x[sampled]) / temps[:, None]  # [b, V]
+    # the row maxima of z, exactly (division by a positive temperature is monotone and
+    # rounding keeps the order); the filters below never remove the maximum
+    z_max = (top if every else top[sampled]) / temps  # [b]
+    z = _filtered(z, sub)
+    w = torch.exp(z - z_max[:, None])  # [b, V] in [0, 1], 1 at the maximum
+    return inverse_cdf(w, draw_uniforms(sub, fallback))
 
 
-def sample(
-    logits: Tensor,
-    rows: Sequence[RowSampling],
-    *,
-    bitmask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-) -> SampleOutput:
-    """Choose one token for each row of a step.
+#: Tokens per block of :func:`inverse_cdf`'s two-level search.
+_BLOCK = 256
+
+
+def _first_above(c: Tensor, x: Tensor) -> Tensor:
+    """Per row, the first index whose running sum ``c`` (``[b, n]``) exceeds ``x``
+    (``[b, 1]``), or, if rounding left none, the last index of nonzero weight."""
+    first = torch.searchsorted(c, x, right=True)
+    last_nonzero = torch.searchsorted(c, c[:, -1:].contiguous(), right=False)
+    return torch.minimum(first, last_nonzero)
+
+
+def inverse_cdf(w: Tensor, u: Tensor) -> Tensor:
+    """Per row, the token whose interval of the running sum of ``w`` holds ``u`` times the
+    total: a draw from ``w / sum(w)`` given ``u ~ U[0, 1)``; a token of weight 0 is never
+    chosen. Two levels, so the float64 running sum covers ``V / 256 + 256`` values per
+    row, not ``V`` (a float64 ``cumsum`` of ``[32, 32000]`` cost about as much as the
+    exponential noise it replaced): the block sums (float64) choose a block, then the
+    running sum inside it the token.
 
     Args:
-        logits: ``[B, V]`` the step's logits, one row per :class:`RowSampling`.
-        rows: the rows' settings and state.
-        bitmask: ``[M, ceil(V/32)]`` int32 grammar masks; row ``i`` of the step uses mask
-            row ``rows[i].bitmask_row`` (rows without one are unconstrained).
-        generator: draws the noise of rows without their own generator.
+        w: ``[b, V]`` nonnegative weights, each row with a positive one.
+        u: float64 ``[b]`` in ``[0, 1)``.
 
     Returns:
-        The tokens, the requested log-probabilities and the rows that failed.
+        long ``[b]``.
     """
+    b, vocab = w.shape
+    nb = -(-vocab // _BLOCK)
+    if nb * _BLOCK != vocab:
+        w = torch.nn.functional.pad(w, (0, nb * _BLOCK - vocab))  # zeros: never chosen
+    blocks = w.view(b, nb, _BLOCK)
+    cs = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [b, nb]
+    x = u[:, None] * cs[:, -1:]  # [b, 1], below the total
+    blk = _first_above(cs, x)  # [b, 1], a block of positive weight
+    before = torch.where(blk > 0, cs.gather(1, (blk - 1).clamp_min(0)), 0.0)  # [b, 1]
+    inside = blocks[torch.arange(b), blk[:, 0]]  # [b, BLOCK]
+    c = inside.cumsum(-1, dtype=torch.float64)
+    return (blk * _BLOCK + _first_above(c, x - before))[:, 0]
+
+
+def _prepared(
+    logits: Tensor, rows: Sequence[RowSampling], bitmask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, dict[int, str]]:
+    """``(x [B, V], max [B], argmax [B], failed)``: the logits after the grammar masks,
+    ``logit_bias``, bans and penalties (steps 2-3), each row's maximum and its first
+    index, and the rows that cannot give a token."""
     b, vocab = logits.shape
     if len(rows) != b:
         raise ValueError(f"sample: {b} rows of logits but {len(rows)} row settings")
-    want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
     x = logits.float()
     writes = any(r.settings.logit_bias or r.banned for r in rows) or (
         bitmask is not None and any(r.bitmask_row is not None for r in rows)
@@ -274,25 +329,97 @@ def sample(
         for i, (v, is_bad) in enumerate(zip(top.tolist(), bad, strict=True))
         if is_bad
     }
+    return x, top, tokens, failed
+
+
+def token_logprobs(
+    logits: Tensor, rows: Sequence[RowSampling], tokens: Sequence[int], failed: Mapping[int, str]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row, ``(logprob of tokens[i], [(token, logprob)] of the top ones)`` from the
+    model's logits as they are (step 1) when the row asks for logprobs, else None."""
+    want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
+    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(rows)
+    if logp is None:
+        return lps
+    for j, i in enumerate(want):
+        if i in failed:
+            continue
+        k = int(rows[i].settings.logprobs or 0)
+        top_pairs: list[tuple[int, float]] = []
+        if k and top_idx is not None and top_vals is not None:
+            top_pairs = list(zip(top_idx[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
+        lps[i] = (float(logp[j, tokens[i]]), top_pairs)
+    return lps
+
+
+def sample(
+    logits: Tensor,
+    rows: Sequence[RowSampling],
+    *,
+    bitmask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Choose one token for each row of a step.
+
+    Args:
+        logits: ``[B, V]`` the step's logits, one row per :class:`RowSampling`.
+        rows: the rows' settings and state.
+        bitmask: ``[M, ceil(V/32)]`` int32 grammar masks; row ``i`` of the step uses mask
+            row ``rows[i].bitmask_row`` (rows without one are unconstrained).
+        generator: draws the noise of rows without their own generator.
+
+    Returns:
+        The tokens, the requested log-probabilities and the rows that failed.
+    """
+    x, top, tokens, failed = _prepared(logits, rows, bitmask)
     sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
     if sampled:
-        tokens[sampled] = _draw(x, rows, sampled, generator)
+        tokens[sampled] = _draw(x, top, rows, sampled, generator)
     out = tokens.tolist()
     for i in failed:
         out[i] = -1
-    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * b
-    if logp is not None:
-        for j, i in enumerate(want):
-            if i in failed:
-                continue
-            k = int(rows[i].settings.logprobs or 0)
-            top_pairs: list[tuple[int, float]] = []
-            if k and top_idx is not None and top_vals is not None:
-                top_pairs = list(
-                    zip(top_idx[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True)
-                )
-            lps[i] = (float(logp[j, out[i]]), top_pairs)
+    lps = token_logprobs(logits, rows, out, failed)
     return SampleOutput(out, lps, failed)
+
+
+def sampling_probs(
+    logits: Tensor, rows: Sequence[RowSampling], *, bitmask: Tensor | None = None
+) -> tuple[Tensor, dict[int, str]]:
+    """The distribution :func:`sample` draws each row's token from, for speculative
+    sampling with a draft model (the rejection rule needs the target's and the draft's
+    probabilities after every setting of the row).
+
+    Returns:
+        ``(probs [B, V] float32, failed)``: a greedy row is one-hot at its argmax, a
+        sampled row is the softmax of its logits after steps 2-4 (masks, bias, bans,
+        penalties, temperature, min-p, top-k, top-p); a failed row is all zeros.
+    """
+    x, _, tokens, failed = _prepared(logits, rows, bitmask)
+    probs = torch.zeros_like(x)
+    greedy = [i for i, r in enumerate(rows) if r.settings.greedy and i not in failed]
+    if greedy:
+        idx = torch.tensor(greedy)
+        probs[idx, tokens[idx]] = 1.0
+    sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
+    if sampled:
+        sub = [rows[i] for i in sampled]
+        temps = torch.tensor([r.settings.temperature for r in sub])
+        probs[sampled] = torch.softmax(_filtered(x[sampled] / temps[:, None], sub), dim=-1)
+    return probs, failed
+
+
+def _filtered(z: Tensor, rows: Sequence[RowSampling]) -> Tensor:
+    """``z [b, V]`` (logits over temperature) filtered by the rows' min-p, top-k, top-p."""
+    min_p = _column(rows, "min_p", 0.0)
+    if min_p is not None:
+        z = min_p_filter(z, min_p)
+    top_k = _column(rows, "top_k", 0.0)
+    if top_k is not None:
+        z = top_k_filter(z, top_k.long())
+    top_p = _column(rows, "top_p", 1.0)
+    if top_p is not None:
+        z = top_p_filter(z, top_p)
+    return z
 
 
 # ----------------------------------------------------------------- speculative verification

@@ -22,7 +22,6 @@ slot as an int or a tensor: ``generate`` runs it eagerly, or compiles it over a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Literal, cast
 
 import torch
@@ -36,11 +35,9 @@ from attnlab.functional.losses import causal_lm_loss, chunked_causal_lm_loss
 from attnlab.functional.masks import MaskPattern
 from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
-from attnlab.models._checkpoint import call_layer, checkpointing
 from attnlab.models.decoder_attention import (
     attention_call,
     attention_pattern,
-    attention_plans,
     explain,
     first_kv,
 )
@@ -51,6 +48,7 @@ from attnlab.models.decoder_parts import (
     layer_rotaries,
     score_mods,
 )
+from attnlab.models.decoder_run import run_layers
 from attnlab.models.flat import FlatBatch, decoder_forward_flat
 from attnlab.models.lm_shell import CausalLMShell
 from attnlab.models.mixers import get_mixer
@@ -274,7 +272,8 @@ class DecoderLM(CausalLMShell):
             position_ids = self._check_position_ids(position_ids, b, n)
         elif mask is not None:
             position_ids = positions_from_mask(mask)[:, start:]  # [B, L]
-        logits, hidden, attentions, routers = self._run(
+        logits, hidden, attentions, routers = run_layers(
+            self,
             x,
             start=start,
             mask=mask,
@@ -365,7 +364,8 @@ class DecoderLM(CausalLMShell):
                 registry once for this forward.
         """
         x = self.embed_tokens(input_ids)  # [B, L, D]
-        logits, _, _, _ = self._run(
+        logits, _, _, _ = run_layers(
+            self,
             x,
             start=start,
             mask=attention_mask,
@@ -401,64 +401,6 @@ class DecoderLM(CausalLMShell):
     def _backend_for(self, call: AttentionCall) -> str:
         """The model's backend name, or the registry's choice for ``call`` under ``auto``."""
         return choose_call(call, self.backend).chosen
-
-    def _run(
-        self,
-        x: Tensor,
-        *,
-        start: Start,
-        mask: Tensor | None,
-        position_ids: Tensor | None,
-        cache: ModelCache | None,
-        logits_to_keep: int,
-        output_attentions: bool,
-        output_hidden_states: bool,
-        output_router_logits: bool = False,
-        extra: MaskPattern | None = None,
-        backend: str | None = None,
-        head: bool = True,
-    ) -> tuple[
-        Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None
-    ]:
-        """The one forward, after validation: ``(logits, hidden states, attentions, router
-        logits)``; ``extra`` is a user pattern combined with the model's own (no cache);
-        ``head=False`` returns the final hidden states ``[B, L, D]`` in the logits' place."""
-        n = x.shape[1]
-        device = x.device
-        q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
-        positions = q_slots if position_ids is None else position_ids
-        x = self._embed_extras(x, positions)
-        plans = attention_plans(
-            self, x, start, mask, positions, q_slots, cache, output_attentions, extra, backend
-        )
-        hidden: list[Tensor] = [x] if output_hidden_states else []
-        attentions: list[Tensor] = []
-        router_logits: list[Tensor] = []
-        layer_caches: Iterator[LayerCache | None] = (
-            iter(cache.layers) if cache is not None else iter([None] * len(self.layers))
-        )
-        ckpt = checkpointing(self, cached=cache is not None)
-        for layer, layer_cache, window in zip(self.layers, layer_caches, self.layer_windows):
-            # a KV cache, or the mixer's own state in a hybrid's other layers
-            x, w, _, r = call_layer(layer, ckpt, x, plans[window], layer_cache)
-            if output_attentions and w is not None:  # attention layers only
-                attentions.append(w)
-            if output_hidden_states:
-                hidden.append(x)
-            if output_router_logits and r is not None:
-                router_logits.append(r)
-        x = self.norm(x)
-        if output_hidden_states:
-            hidden[-1] = x
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = self._head(x) if head else x  # [B, L, V] (or [B, L, D])
-        return (
-            logits,
-            tuple(hidden) if output_hidden_states else None,
-            tuple(attentions) if output_attentions else None,
-            tuple(router_logits) if output_router_logits else None,
-        )
 
     def explain_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None

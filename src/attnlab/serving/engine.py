@@ -21,10 +21,9 @@ Requests join and leave at every step (iteration-level scheduling, Yu et al., 20
 * the :class:`~attnlab.serving.output_processor.OutputProcessor`: detokenise, apply the
   stop rules, gather each request's news into :class:`~attnlab.serving.outputs.RequestOutput`.
 
-The engine keeps the requests' lifecycle: admission checks
-(:func:`~attnlab.serving.validation.validate_request`), the ``n`` choices forked from
-the prompt's blocks, aborts, and the failure of one request without the others.
-It is not thread-safe: one thread calls :meth:`add_request`, :meth:`abort` and
+The requests' lifecycle (admission checks, the ``n`` choices forked from the prompt's
+blocks, aborts, the failure of one request without the others, offline runs) is the
+engine's base, :class:`~attnlab.serving.lifecycle.RequestLifecycle`. It is not thread-safe: one thread calls :meth:`add_request`, :meth:`abort` and
 :meth:`step`; :class:`~attnlab.serving.async_engine.AsyncEngine` runs it in a thread
 beside the HTTP event loop (the matmuls release the GIL and use all cores).
 """
@@ -34,42 +33,30 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._validate import check_int, check_positive_int
-from attnlab.serving.detokenize import IncrementalDetokenizer
+from attnlab.serving.draft_model import DraftRunner, load_draft_model, verify_sampled
+from attnlab.serving.lifecycle import QueueFull, RequestLifecycle
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.output_processor import OutputProcessor
-from attnlab.serving.outputs import (
-    CompletionDelta,
-    Request,
-    RequestOutput,
-    Seq,
-    TokenLogprob,
-    run_offline,
-)
-from attnlab.serving.params import SamplingParams
+from attnlab.serving.outputs import CompletionDelta, Request, RequestOutput, Seq, TokenLogprob
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 from attnlab.serving.scheduler import Scheduler
 from attnlab.serving.speculative import GeneratorRewind, accepted_prefix, check_speculative
 from attnlab.serving.step_sampling import sample_step
-from attnlab.serving.validation import check_kv_dtype, default_max_model_len, validate_request
+from attnlab.serving.validation import check_kv_dtype, default_max_model_len
 
 __all__ = ["CompletionDelta", "Engine", "QueueFull", "RequestOutput", "TokenLogprob"]
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is full (the server answers 429)."""
-
-
-class Engine:
+class Engine(RequestLifecycle):
     """Continuous batching with a paged KV cache, for any attnlab decoder.
 
     Args:
@@ -91,18 +78,24 @@ class Engine:
             pool stores keys and values quantized per token) or ``"int8-channel"``/
             ``"int4-channel"`` (keys per channel over each block, KIVI's layout); more
             blocks fit in ``kv_cache_bytes`` (:mod:`attnlab.cache.paged.storage`).
-        speculative: None, or ``"prompt_lookup"``: each decoding sequence drafts up to
-            ``num_speculative_tokens`` tokens from its context's n-grams (at most
-            ``speculative_max_ngram`` long), verified in the step's forward; the output
-            is what plain decoding gives (:mod:`attnlab.serving.speculative`).
+        speculative: None, ``"prompt_lookup"`` (each decoding sequence drafts up to
+            ``num_speculative_tokens`` tokens from its context's n-grams, at most
+            ``speculative_max_ngram`` long) or ``"draft"`` (``draft_model`` drafts them),
+            verified in the step's forward; greedy output is what plain decoding gives,
+            sampled output is distributed as it (:mod:`attnlab.serving.speculative`,
+            :mod:`attnlab.serving.draft_model`).
         num_speculative_tokens: drafts per sequence and step at most.
         speculative_max_ngram: the longest n-gram prompt lookup matches.
+        draft_model: with ``speculative="draft"``: a smaller attnlab decoder with the
+            model's vocabulary (or its folder or ``.gguf`` file), given its own paged
+            pool of as many blocks, addressed by the model's block tables.
 
     Raises:
-        TypeError: a model that is not an attnlab decoder.
+        TypeError: a model (or draft model) that is not an attnlab decoder.
         ValueError: a bad setting, ``kv_dtype`` for a model without attention layers,
-            ``speculative`` for a model with recurrent layers, or no ``max_model_len``
-            for a model whose config has no context length.
+            ``speculative`` for a model with recurrent layers (or a draft model with
+            them, another vocabulary, or a sliding-window model), or no
+            ``max_model_len`` for a model whose config has no context length.
     """
 
     def __init__(
@@ -122,6 +115,7 @@ class Engine:
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
         speculative_max_ngram: int = 3,
+        draft_model: nn.Module | str | Path | None = None,
     ) -> None:
         config = getattr(model, "config", None)
         if (
@@ -155,7 +149,7 @@ class Engine:
         kv_dtype = check_kv_dtype(kv_dtype, specs, speculative)
         #: the speculative settings, or None
         self.speculative = check_speculative(
-            speculative, num_speculative_tokens, speculative_max_ngram, specs
+            speculative, num_speculative_tokens, speculative_max_ngram, specs, draft_model
         )
         #: why prefix caching is off although it was asked for, or None
         self.prefix_caching_refused: str | None = None
@@ -184,6 +178,10 @@ class Engine:
             kv_dtype=kv_dtype,
         )
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs)
+        #: the draft model's runner (``speculative="draft"``), or None
+        self.draft: DraftRunner | None = None
+        if draft_model is not None:
+            self.draft = DraftRunner(load_draft_model(draft_model, model), self.pool)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
@@ -205,152 +203,6 @@ class Engine:
         )
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % (1 << 31)))
 
-    @property
-    def eos_ids(self) -> set[int]:
-        """The end-of-sequence tokens (the tokenizer's, else the config's)."""
-        return self.output.eos_ids
-
-    @eos_ids.setter
-    def eos_ids(self, ids: set[int]) -> None:
-        self.output.eos_ids = set(ids)
-
-    # ------------------------------------------------------------------ requests
-
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Check a request against the context; raise :class:`ParamError` naming the field."""
-        validate_request(
-            prompt_ids,
-            params,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=self.pool.block_size,
-            num_blocks=self.pool.num_blocks,
-        )
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-    ) -> None:
-        """Queue a request (text, or token ids).
-
-        Raises:
-            ParamError: the request does not fit the context (``param`` names the field).
-            QueueFull: ``max_waiting`` requests are queued already.
-            ValueError: ``request_id`` is in use.
-        """
-        params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(ids, params)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is in use")
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(
-                f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})"
-            )
-        req = Request(request_id, ids, params, time.perf_counter(), next(self._order))
-        self.requests[request_id] = req
-        seq = self._new_seq(req, 0)
-        self.waiting.append(seq)
-        self.metrics.requests_received += 1
-
-    def _new_seq(self, req: Request, index: int) -> Seq:
-        gen = None
-        p = req.params
-        if not p.greedy and p.seed is not None:  # seed <= 2**63 - 1: seed + index fits torch
-            gen = torch.Generator().manual_seed(p.seed + index)
-        seq = Seq(
-            next(self._seq_ids),
-            req,
-            index,
-            gen,
-            IncrementalDetokenizer(
-                self.tokenizer, req.prompt_ids, skip_special_tokens=p.skip_special_tokens
-            ),
-        )
-        if p.grammar is not None:
-            seq.matcher = p.grammar.matcher()
-        req.seqs.append(seq)
-        return seq
-
-    def gauges(self) -> dict[str, float]:
-        """The gauges of ``/metrics`` as they are now (not as of the last step)."""
-        used = self.pool.num_used_blocks
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "blocks_used": used,
-            "waste": self.metrics.waste if used else 0.0,
-        }
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks. Returns False for an unknown/finished id."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for seq in req.seqs:
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
-            self._drop(seq)
-        self.metrics.requests_aborted += 1
-        return True
-
-    def _fail(self, req: Request, error: str) -> None:
-        """Fail one request inside a step: free its blocks, keep the error for its client."""
-        if req.error is not None:
-            return
-        log.warning("request %s failed: %s", req.request_id, error)
-        req.error = error
-        for seq in req.seqs:
-            if seq.finish_reason is None:
-                seq.finish_reason = "error"
-            self._drop(seq)
-
-    def _drop(self, seq: Seq) -> None:
-        if seq.in_pool:
-            self.pool.free(seq.seq_id)
-            self.runner.release(seq.seq_id)
-            seq.in_pool = False
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-
-    @property
-    def waiting(self) -> deque[Seq]:
-        """Sequences waiting to (re)enter the pool, in order."""
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> list[Seq]:
-        """Sequences holding blocks."""
-        return self.scheduler.running
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_work(self) -> bool:
-        """Whether a :meth:`step` would do anything."""
-        return bool(self.running or self.waiting)
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _admitted(self, seq: Seq, cached: int) -> None:
-        if seq.index == 0 and not seq.output_ids:
-            seq.request.cached_tokens = cached
-            self.metrics.prompt_tokens += len(seq.tokens)
-            self.metrics.cached_prompt_tokens += cached
-
-    def _preempted(self, seq: Seq) -> None:
-        self.runner.release(seq.seq_id)
-        self.metrics.preemptions += 1
-
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
@@ -366,6 +218,11 @@ class Engine:
         if not rows:
             return self._collect()
         self.pool.storage.copy_blocks(scheduled.copies)
+        draft_probs: dict[Any, Tensor] = {}
+        if self.draft is not None:
+            self.draft.copy_blocks(scheduled.copies)
+            if scheduled.draft_slots:
+                draft_probs = self._propose(rows, drafts, scheduled.draft_slots)
         keep = [n if seq.seq_id in drafts else 1 for seq, n in rows] if drafts else None
         try:  # one flat forward of every row's tokens
             logits = self.runner.run([(seq.seq_id, n) for seq, n in rows], keep).float()  # [R, V]
@@ -386,7 +243,9 @@ class Engine:
             first += 1
         accepted = self.metrics.spec_accepted_tokens
         if done:
-            self._sample(logits, done, drafts)
+            self._sample(logits, done, drafts, draft_probs)
+        if self.draft is not None:
+            self.draft.settle()
         rejected = sum(map(len, drafts.values())) - self.metrics.spec_accepted_tokens + accepted
         self.metrics.record_step(
             seconds=time.perf_counter() - t0,
@@ -399,6 +258,33 @@ class Engine:
         )
         return self._collect()
 
+    def _propose(
+        self, rows: list[tuple[Seq, int]], drafts: dict[Any, list[int]], slots: dict[Any, int]
+    ) -> dict[Any, Tensor]:
+        """The draft model's tokens for the reserved slots (a failure: no drafts this
+        step); returns the draft distributions of the sampled rows."""
+        assert self.draft is not None
+        entries = [(seq, slots[seq.seq_id]) for seq, _ in rows if seq.seq_id in slots]
+        try:
+            made = self.draft.propose(entries, eos_ids=self.eos_ids, generator=self._seed_source)
+        except Exception:  # the model's step goes on without drafts
+            log.exception("the draft model failed; this step verifies no drafts")
+            made = {}
+        m = self.pool.manager
+        probs: dict[Any, Tensor] = {}
+        for r, (seq, _) in enumerate(rows):
+            if seq.seq_id not in slots:
+                continue
+            d, q = made.get(seq.seq_id, ([], None))
+            m.append_tokens(seq.seq_id, d)
+            m.truncate(seq.seq_id, m.num_tokens(seq.seq_id))  # unused slots go back
+            rows[r] = (seq, 1 + len(d))
+            if d:
+                drafts[seq.seq_id] = d
+                if q is not None:
+                    probs[seq.seq_id] = q
+        return probs
+
     def _fork(self, seq: Seq) -> list[Seq]:
         """``seq`` and, at a request's first token, its ``n - 1`` forked choices."""
         req = seq.request
@@ -409,12 +295,18 @@ class Engine:
         for child in children:
             self.pool.fork(seq.seq_id, child.seq_id)
             self.runner.fork(seq.seq_id, child.seq_id)
+            if self.draft is not None:
+                self.draft.fork(seq.seq_id, child.seq_id)
             child.in_pool = True
             self.running.append(child)
         return [seq, *children]
 
     def _sample(
-        self, logits: Tensor, done: list[tuple[int, Seq]], drafts: dict[Any, list[int]]
+        self,
+        logits: Tensor,
+        done: list[tuple[int, Seq]],
+        drafts: dict[Any, list[int]],
+        draft_probs: dict[Any, Tensor],
     ) -> None:
         order: list[int] = []  # the logits row of each sampled position
         seqs: list[Seq] = []
@@ -422,6 +314,13 @@ class Engine:
         rewind: dict[int, GeneratorRewind] = {}
         for r, seq in done:
             d = drafts.get(seq.seq_id, [])
+            if seq.seq_id in draft_probs:  # a sampled row's model drafts: the rejection rule
+                a, res = verify_sampled(
+                    logits[r : r + len(d) + 1], seq, d, draft_probs[seq.seq_id],
+                    eos_ids=self.eos_ids, generator=self._seed_source,
+                )  # fmt: skip
+                self._accept(seq, d, res, None, accepted=a)
+                continue
             for s in self._fork(seq) if not d else [seq]:
                 for j in range(len(d) + 1):
                     order.append(r + j)
@@ -429,6 +328,8 @@ class Engine:
                     extras.append(d[:j])
             if d and seq.generator is not None and not seq.request.params.greedy:
                 rewind[seq.seq_id] = GeneratorRewind(seq.generator, logits.shape[-1])
+        if not order:
+            return
         if order != list(range(logits.shape[0])):  # not every row once, in order: a copy
             logits = logits[order]
         results = sample_step(
@@ -443,12 +344,20 @@ class Engine:
             i += len(d) + 1
 
     def _accept(
-        self, s: Seq, d: list[int], results: list[Any], rewind: GeneratorRewind | None
+        self,
+        s: Seq,
+        d: list[int],
+        results: list[Any],
+        rewind: GeneratorRewind | None,
+        *,
+        accepted: int | None = None,
     ) -> None:
-        """Keep ``s``'s verified drafts and the token after them (no drafts: one token)."""
+        """Keep ``s``'s verified drafts and the token after them (no drafts: one token);
+        ``accepted``: how many drafts the rejection rule kept (default: the prefix of
+        drafts equal to the chosen tokens)."""
         if s.request.error is not None:
             return
-        a = accepted_prefix(d, [res.token for res in results])  # a failed row's token is -1
+        a = accepted_prefix(d, [res.token for res in results]) if accepted is None else accepted
         if results[a].error is not None:
             self._fail(s.request, results[a].error)
             return
@@ -482,19 +391,3 @@ class Engine:
 
     def _collect(self) -> list[RequestOutput]:
         return self.output.collect(self.requests)
-
-    # ------------------------------------------------------------------ offline use
-
-    def generate(
-        self,
-        prompts: Iterable[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[list[CompletionDelta]]:
-        """Run prompts to completion (continuous batching) and return each one's choices
-        (:func:`~attnlab.serving.outputs.run_offline`: the whole text, token ids, logprobs
-        and finish reason of each; a request that failed has ``finish_reason="error"``).
-
-        Raises:
-            ParamError: a request does not fit (none is queued then).
-        """
-        return run_offline(self, prompts, params, base=f"offline-{next(self._order)}-")

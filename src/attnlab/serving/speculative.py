@@ -1,4 +1,7 @@
-"""Speculative decoding in the serving engine: prompt-lookup drafts verified in the step.
+"""Speculative decoding in the serving engine: drafts verified in the step's forward.
+
+Two drafters: prompt lookup (below) and a draft model (:mod:`attnlab.serving.draft_model`,
+which drafts after scheduling into slots the scheduler reserved); both are verified here.
 
 Prompt lookup (Saxena, 2023) drafts the tokens that followed the latest earlier
 occurrence of a sequence's last n-gram (longest n first); it costs no model, and it is
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 from attnlab._validate import check_int
+from attnlab.generation.sampler import skip_draws
 
 __all__ = [
     "SPECULATIVE_METHODS",
@@ -44,7 +48,7 @@ __all__ = [
 ]
 
 #: The drafters the engine offers.
-SPECULATIVE_METHODS = ("prompt_lookup",)
+SPECULATIVE_METHODS = ("prompt_lookup", "draft")
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class SpeculativeConfig:
     """The engine's speculative settings.
 
     Attributes:
-        method: ``"prompt_lookup"``.
+        method: ``"prompt_lookup"`` or ``"draft"`` (a draft model).
         num_tokens: drafts per sequence and step at most.
         max_ngram: the longest n-gram prompt lookup matches.
     """
@@ -61,13 +65,14 @@ class SpeculativeConfig:
     num_tokens: int
     max_ngram: int
 
-    def drafter(self, max_model_len: int) -> Callable[[Any, int], list[int]]:
-        """The scheduler's ``drafter(seq, at_most)``: prompt-lookup drafts for a decoding
-        engine sequence, as many as its ``max_tokens`` and the context leave room for
-        (the verified token comes on top); none for a grammar-constrained sequence
-        (its parser state cannot be rewound) or one whose first token is still due."""
+    def drafter(self, max_model_len: int) -> Callable[[Any, int], list[int] | int]:
+        """The scheduler's ``drafter(seq, at_most)`` for a decoding engine sequence:
+        prompt-lookup drafts, or (a draft model) how many slots to reserve for the drafts
+        the model makes after scheduling; as many as its ``max_tokens`` and the context
+        leave room for (the verified token comes on top); none for a grammar-constrained
+        sequence (its parser state cannot be rewound) or one whose first token is due."""
 
-        def draft(seq: Any, at_most: int) -> list[int]:
+        def draft(seq: Any, at_most: int) -> list[int] | int:
             if not seq.output_ids or seq.matcher is not None:
                 return []
             k = min(
@@ -78,6 +83,8 @@ class SpeculativeConfig:
             )
             if k <= 0:
                 return []
+            if self.method == "draft":
+                return k
             if seq.lookup is None:
                 seq.lookup = NgramIndex(self.max_ngram)
             return seq.lookup.draft(seq.tokens, k)  # type: ignore[no-any-return]
@@ -90,19 +97,27 @@ def check_speculative(
     num_speculative_tokens: int,
     max_ngram: int,
     specs: Sequence[str],
+    draft_model: object = None,
 ) -> SpeculativeConfig | None:
     """The engine's speculative settings, checked, or None when off.
 
     Raises:
-        ValueError: an unknown method, a count that is not a positive int, or a model
-            with recurrent layers (a state cannot be cut back to the kept tokens).
+        ValueError: an unknown method, a count that is not a positive int, a model
+            with recurrent layers (a state cannot be cut back to the kept tokens), or
+            ``draft_model`` given without ``speculative="draft"`` or missing with it.
     """
-    if speculative is None:
-        return None
-    if speculative not in SPECULATIVE_METHODS:
+    if speculative is not None and speculative not in SPECULATIVE_METHODS:
         raise ValueError(
             f"speculative must be None or one of {list(SPECULATIVE_METHODS)}, got {speculative!r}"
         )
+    if (speculative == "draft") != (draft_model is not None):
+        raise ValueError(
+            "draft_model is what speculative='draft' drafts with: give both or neither "
+            f"(got speculative={speculative!r}, draft_model="
+            f"{'None' if draft_model is None else type(draft_model).__name__})"
+        )
+    if speculative is None:
+        return None
     check_int("num_speculative_tokens", num_speculative_tokens, min_value=1)
     check_int("speculative_max_ngram", max_ngram, min_value=1)
     if "state" in specs:
@@ -156,20 +171,19 @@ def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
 class GeneratorRewind:
     """A seeded row's generator, rewound to the draws of the kept positions.
 
-    The sampler draws one ``[V]`` row of exponential noise per position from a seeded
-    request's generator. Verifying ``k`` drafts draws ``k + 1`` rows; plain decoding
-    would have drawn one per kept token, so after verification the generator is put
-    back and advanced by the kept positions only.
+    The sampler draws one float64 uniform per sampled position from a seeded request's
+    generator (:func:`~attnlab.generation.sampler.draw_uniforms`). Verifying ``k``
+    drafts draws ``k + 1`` of them; plain decoding would have drawn one per kept token,
+    so after verification the generator is put back and advanced by the kept positions
+    only (:func:`~attnlab.generation.sampler.skip_draws`, the same calls).
     """
 
     def __init__(self, generator: torch.Generator, vocab: int) -> None:
         self.generator = generator
-        self.vocab = vocab
+        self.vocab = vocab  # the draws no longer depend on it (one number per position)
         self.state = generator.get_state()
 
     def keep(self, positions: int) -> None:
-        """Leave the generator as if it had drawn ``positions`` noise rows since the mark."""
+        """Leave the generator as if it had drawn ``positions`` positions since the mark."""
         self.generator.set_state(self.state)
-        row = torch.empty(self.vocab)
-        for _ in range(positions):
-            row.exponential_(generator=self.generator)
+        skip_draws(self.generator, positions)
