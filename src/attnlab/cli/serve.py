@@ -97,6 +97,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="context length (prompt + output); default the model's "
         "max_position_embeddings (needed for a recurrent model, which has none)",
     )
+    p.add_argument(
+        "--decode-buckets",
+        type=_bucket_sizes,
+        default="auto",
+        metavar="SIZES|auto|off",
+        help="decode-only steps padded to these batch sizes (e.g. 1,2,4,8) and each size "
+        "compiled once at startup with torch.compile, as vLLM captures graphs; auto: "
+        "1,2,4,8,16,32 when the model allows it (the reason is printed when not: "
+        "recurrent layers, a quantized KV pool, ALiBi...); off: every step eager",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
         "--max-batched-tokens", type=positive_int, default=512, help="token budget per step"
@@ -209,10 +219,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bucket_sizes(text: str) -> str:
+    """``--decode-buckets`` checked at parse time: auto, off or positive ints."""
+    if text not in ("auto", "off"):
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected auto, off or comma-separated positive ints (1,2,4,8), got {text!r}"
+            )
+    return text
+
+
+def decode_buckets(text: str) -> tuple[tuple[int, ...] | None, bool]:
+    """``--decode-buckets``: ``(sizes or None, whether the user asked for them)``."""
+    from attnlab.serving.decode_buckets import DEFAULT_SIZES, parse_sizes
+
+    if text == "off":
+        return None, False
+    if text == "auto":
+        return DEFAULT_SIZES, False
+    return parse_sizes(text), True
+
+
 def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     """``(ASGI app, what --json prints, the banner line)`` for the served models."""
     from attnlab.serving.access_log import AccessLog
     from attnlab.serving.async_engine import AsyncEngine
+    from attnlab.serving.decode_buckets import enable_for_serving
     from attnlab.serving.openai_api import build_app
     from attnlab.serving.server import load_engine
 
@@ -240,6 +273,9 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         max_num_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
     )
+    sizes, required = decode_buckets(args.decode_buckets)
+    decoding = enable_for_serving(engine, sizes, required=required)
+    print(decoding, file=sys.stderr, flush=True)
     name = args.served_model_name or name
     app = AccessLog(
         build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
