@@ -78,11 +78,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=["prompt_lookup"],
+        choices=["prompt_lookup", "draft"],
         default=None,
         help="speculative decoding: each decoding request drafts tokens from its own "
-        "context's n-grams, verified in the same forward (same output, fewer steps when "
-        "the output repeats the prompt); refused for recurrent models",
+        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
+        "same forward (greedy output unchanged, sampled output distributed as without; "
+        "fewer steps when drafts are kept); refused for recurrent models",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
+        "or a .gguf file)",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -206,6 +215,14 @@ def run(args: argparse.Namespace) -> int:
         from attnlab.interop.checkpoints import check_model_folder
 
         check_model_folder(args.model_dir)  # a missing model: named, before the port is bound
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise ValueError(
+            "--draft-model is what --speculative draft drafts with: give both or neither"
+        )
+    if args.draft_model is not None and not args.draft_model.exists():
+        from attnlab.interop.checkpoints import check_model_folder
+
+        check_model_folder(args.draft_model)
     sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
     with sock:
         app, info, banner = _app(args)
@@ -268,6 +285,7 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         kv_dtype=args.kv_dtype,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
@@ -289,6 +307,9 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         spec = engine.speculative
         banner += f", speculative {spec.method} of {spec.num_tokens} tokens"
         info["speculative"] = {"method": spec.method, "num_tokens": spec.num_tokens}
+        if args.draft_model is not None:
+            banner += f" from {args.draft_model}"
+            info["speculative"]["draft_model"] = str(args.draft_model)
     if embeddings is not None:
         banner += f", embeddings of {embeddings.model_name}"
         info["embeddings"] = embeddings.model_name
