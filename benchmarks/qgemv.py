@@ -1,5 +1,6 @@
-"""One-row quantized matmuls (a decode step's shapes): attnlab's ``fused`` kernel against
-torch's ``int4pack`` and ``int8groups`` (bfloat16 activations), SmolLM2-135M's shapes.
+"""One-row quantized matmuls (a decode step's shapes): attnlab's ``fused`` kernel (float32
+activations) and ``q8dot`` (int8 activation blocks, as llama.cpp) against torch's
+``int4pack`` and ``int8groups`` (bfloat16 activations), SmolLM2-135M's shapes.
 
 Each layer is quantized from random weights (Q4_1 = ``int4:g32``, Q8_0 = ``int8:g32``); the
 fused kernel's error against a float64 dequantize-then-multiply is printed with its time.
@@ -39,13 +40,14 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from attnlab.backends.qmatmul import KERNELS
-    from attnlab.backends.qmatmul_cpu import qgemv, repack_int4, unavailable
+    from attnlab.backends.qmatmul_cpu import int8_dot, qgemv, qgemv_q8, repack_int4, unavailable
     from attnlab.modules.quant_linear import Int4Linear, Int8Linear
 
     why = unavailable()
     if why is not None:
         raise SystemExit(f"the fused kernel is not available: {why}")
-    print(f"{torch.get_num_threads()} thread(s); microseconds per call, one row")
+    print(f"{torch.get_num_threads()} thread(s); microseconds per call, one row; "
+          f"q8dot's int8 dot: {int8_dot()}")  # fmt: skip
     for n, k in SHAPES:
         lin = torch.nn.Linear(k, n, bias=False)
         l4 = Int4Linear.from_float(lin, group_size=32)
@@ -60,10 +62,13 @@ def main() -> None:
                     - x.double() @ l8.dequantize(torch.float64).T).abs().max()  # fmt: skip
             f4 = best_us(functools.partial(qgemv, x, q4, l4.scales, l4.mins, 32))
             f8 = best_us(functools.partial(qgemv, x, l8.qweight, l8.scales, None, 32))
+            d4 = best_us(functools.partial(qgemv_q8, x, q4, l4.scales, l4.mins, 32))
+            d8 = best_us(functools.partial(qgemv_q8, x, l8.qweight, l8.scales, None, 32))
             i4 = best_us(functools.partial(KERNELS["int4pack"].run, l4, xb))
             i8 = best_us(functools.partial(KERNELS["int8groups"].run, l8, xb))
         print(f"{n} x {k}: fused Q4 {f4:.0f} (err {float(err4):.1e}), fused Q8_0 {f8:.0f} "
-              f"(err {float(err8):.1e}), int4pack bf16 {i4:.0f}, int8groups bf16 {i8:.0f}",
+              f"(err {float(err8):.1e}), q8dot Q4 {d4:.0f}, q8dot Q8_0 {d8:.0f}, "
+              f"int4pack bf16 {i4:.0f}, int8groups bf16 {i8:.0f}",
               flush=True)  # fmt: skip
 
 
