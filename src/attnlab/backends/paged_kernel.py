@@ -140,28 +140,73 @@ def paged_kernel_attention(
     window = pattern_window(attn_mask, is_causal)
     if isinstance(window, str):
         raise ValueError(f"the paged_kernel backend runs {window}")
-    _check_inputs(query, key, value, block_table)
-    b, h, L, e = query.shape
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # a compiled bucket's tables come from the runner (checked there)
+        _check_inputs(query, key, value, block_table)
+    b, _, L, e = query.shape
     if q_positions is None:
         total = block_table.offsets[0] + block_table.lengths[0]  # T, the same for every row
         q_positions = torch.arange(total - L, total, device=query.device)[None]
     q_pos = q_positions.expand(b, L)
-    out = query.new_empty(b, h, L, value.shape[-1])
     s = 1.0 / e**0.5 if scale is None else float(scale)
+    meta = block_table.meta if block_table.meta is not None else _meta(block_table)
+    assert isinstance(window, int)
+    run = _paged_op if compiling else _paged_run  # an opaque op in a graph (a fake kernel)
+    return run(
+        query, key, value, block_table.table, q_pos, meta, s, window, block_table.block_size
+    ), None
+
+
+def _paged_run(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    table: Tensor,
+    q_pos: Tensor,
+    meta: Tensor,
+    scale: float,
+    window: int,
+    block_size: int,
+) -> Tensor:
+    b, h, L, _ = query.shape
+    out = query.new_empty(b, h, L, value.shape[-1])
     kernel = native.load_paged()
-    kernel(  # type: ignore[operator]
-        query,
-        key,
-        value,
-        block_table.table,
-        q_pos,
-        _meta(block_table),
-        s,
-        window,
-        block_table.block_size,
-        out,
-    )
-    return out, None
+    kernel(query, key, value, table, q_pos, meta, scale, window, block_size, out)  # type: ignore[operator]
+    return out
+
+
+@torch.library.custom_op("attnlab::paged_attention", mutates_args=())
+def _paged_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    table: Tensor,
+    q_pos: Tensor,
+    meta: Tensor,
+    scale: float,
+    window: int,
+    block_size: int,
+) -> Tensor:
+    """The kernel as a torch custom op (``attnlab::paged_attention``): a compiled decode
+    bucket calls it without a graph break (``csrc/paged_attention.cpp`` writes into an
+    output argument, which a graph cannot trace)."""
+    return _paged_run(query, key, value, table, q_pos, meta, scale, window, block_size)
+
+
+@_paged_op.register_fake
+def _(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    table: Tensor,
+    q_pos: Tensor,
+    meta: Tensor,
+    scale: float,
+    window: int,
+    block_size: int,
+) -> Tensor:
+    b, h, L, _ = query.shape
+    return query.new_empty(b, h, L, value.shape[-1])
 
 
 def _check_inputs(query: Tensor, key: Tensor, value: Tensor, table: BlockTable) -> None:

@@ -70,6 +70,10 @@ class BlockTable:
     #: step's layout (``-1`` past a row's tokens), or None
     gather: Tensor | None = None
     gather_positions: Tensor | None = None
+    #: long ``[B, 3]`` (length, offset, first block) of each row, for a compiled decode
+    #: bucket whose host ints (``lengths``, ``offsets``, ``first_block``) are the bucket's
+    #: fixed bounds, not the rows' values; None: made from the host ints
+    meta: Tensor | None = None
 
     def gather_index(self) -> tuple[Tensor, Tensor]:
         """``(slots [B * T], positions [B, T])``: the pool slot of each row's token ``p``

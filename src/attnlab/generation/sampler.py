@@ -47,8 +47,10 @@ __all__ = [
     "draw_uniforms",
     "inverse_cdf",
     "sample",
+    "sampling_probs",
     "skip_draws",
     "speculative_verify",
+    "token_logprobs",
 ]
 
 #: A temperature below this samples greedily: dividing logits by ``1e-5`` already puts
@@ -244,15 +246,7 @@ def _draw(
     # the row maxima of z, exactly (division by a positive temperature is monotone and
     # rounding keeps the order); the filters below never remove the maximum
     z_max = (top if every else top[sampled]) / temps  # [b]
-    min_p = _column(sub, "min_p", 0.0)
-    if min_p is not None:
-        z = min_p_filter(z, min_p)
-    top_k = _column(sub, "top_k", 0.0)
-    if top_k is not None:
-        z = top_k_filter(z, top_k.long())
-    top_p = _column(sub, "top_p", 1.0)
-    if top_p is not None:
-        z = top_p_filter(z, top_p)
+    z = _filtered(z, sub)
     w = torch.exp(z - z_max[:, None])  # [b, V] in [0, 1], 1 at the maximum
     return inverse_cdf(w, draw_uniforms(sub, fallback))
 
@@ -298,29 +292,15 @@ def inverse_cdf(w: Tensor, u: Tensor) -> Tensor:
     return (blk * _BLOCK + _first_above(c, x - before))[:, 0]
 
 
-def sample(
-    logits: Tensor,
-    rows: Sequence[RowSampling],
-    *,
-    bitmask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-) -> SampleOutput:
-    """Choose one token for each row of a step.
-
-    Args:
-        logits: ``[B, V]`` the step's logits, one row per :class:`RowSampling`.
-        rows: the rows' settings and state.
-        bitmask: ``[M, ceil(V/32)]`` int32 grammar masks; row ``i`` of the step uses mask
-            row ``rows[i].bitmask_row`` (rows without one are unconstrained).
-        generator: draws the noise of rows without their own generator.
-
-    Returns:
-        The tokens, the requested log-probabilities and the rows that failed.
-    """
+def _prepared(
+    logits: Tensor, rows: Sequence[RowSampling], bitmask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, dict[int, str]]:
+    """``(x [B, V], max [B], argmax [B], failed)``: the logits after the grammar masks,
+    ``logit_bias``, bans and penalties (steps 2-3), each row's maximum and its first
+    index, and the rows that cannot give a token."""
     b, vocab = logits.shape
     if len(rows) != b:
         raise ValueError(f"sample: {b} rows of logits but {len(rows)} row settings")
-    want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
     x = logits.float()
     writes = any(r.settings.logit_bias or r.banned for r in rows) or (
         bitmask is not None and any(r.bitmask_row is not None for r in rows)
@@ -349,25 +329,97 @@ def sample(
         for i, (v, is_bad) in enumerate(zip(top.tolist(), bad, strict=True))
         if is_bad
     }
+    return x, top, tokens, failed
+
+
+def token_logprobs(
+    logits: Tensor, rows: Sequence[RowSampling], tokens: Sequence[int], failed: Mapping[int, str]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row, ``(logprob of tokens[i], [(token, logprob)] of the top ones)`` from the
+    model's logits as they are (step 1) when the row asks for logprobs, else None."""
+    want, logp, top_vals, top_idx = _raw_logprobs(logits, rows)
+    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(rows)
+    if logp is None:
+        return lps
+    for j, i in enumerate(want):
+        if i in failed:
+            continue
+        k = int(rows[i].settings.logprobs or 0)
+        top_pairs: list[tuple[int, float]] = []
+        if k and top_idx is not None and top_vals is not None:
+            top_pairs = list(zip(top_idx[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
+        lps[i] = (float(logp[j, tokens[i]]), top_pairs)
+    return lps
+
+
+def sample(
+    logits: Tensor,
+    rows: Sequence[RowSampling],
+    *,
+    bitmask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Choose one token for each row of a step.
+
+    Args:
+        logits: ``[B, V]`` the step's logits, one row per :class:`RowSampling`.
+        rows: the rows' settings and state.
+        bitmask: ``[M, ceil(V/32)]`` int32 grammar masks; row ``i`` of the step uses mask
+            row ``rows[i].bitmask_row`` (rows without one are unconstrained).
+        generator: draws the noise of rows without their own generator.
+
+    Returns:
+        The tokens, the requested log-probabilities and the rows that failed.
+    """
+    x, top, tokens, failed = _prepared(logits, rows, bitmask)
     sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
     if sampled:
         tokens[sampled] = _draw(x, top, rows, sampled, generator)
     out = tokens.tolist()
     for i in failed:
         out[i] = -1
-    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * b
-    if logp is not None:
-        for j, i in enumerate(want):
-            if i in failed:
-                continue
-            k = int(rows[i].settings.logprobs or 0)
-            top_pairs: list[tuple[int, float]] = []
-            if k and top_idx is not None and top_vals is not None:
-                top_pairs = list(
-                    zip(top_idx[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True)
-                )
-            lps[i] = (float(logp[j, out[i]]), top_pairs)
+    lps = token_logprobs(logits, rows, out, failed)
     return SampleOutput(out, lps, failed)
+
+
+def sampling_probs(
+    logits: Tensor, rows: Sequence[RowSampling], *, bitmask: Tensor | None = None
+) -> tuple[Tensor, dict[int, str]]:
+    """The distribution :func:`sample` draws each row's token from, for speculative
+    sampling with a draft model (the rejection rule needs the target's and the draft's
+    probabilities after every setting of the row).
+
+    Returns:
+        ``(probs [B, V] float32, failed)``: a greedy row is one-hot at its argmax, a
+        sampled row is the softmax of its logits after steps 2-4 (masks, bias, bans,
+        penalties, temperature, min-p, top-k, top-p); a failed row is all zeros.
+    """
+    x, _, tokens, failed = _prepared(logits, rows, bitmask)
+    probs = torch.zeros_like(x)
+    greedy = [i for i, r in enumerate(rows) if r.settings.greedy and i not in failed]
+    if greedy:
+        idx = torch.tensor(greedy)
+        probs[idx, tokens[idx]] = 1.0
+    sampled = [i for i, r in enumerate(rows) if not r.settings.greedy and i not in failed]
+    if sampled:
+        sub = [rows[i] for i in sampled]
+        temps = torch.tensor([r.settings.temperature for r in sub])
+        probs[sampled] = torch.softmax(_filtered(x[sampled] / temps[:, None], sub), dim=-1)
+    return probs, failed
+
+
+def _filtered(z: Tensor, rows: Sequence[RowSampling]) -> Tensor:
+    """``z [b, V]`` (logits over temperature) filtered by the rows' min-p, top-k, top-p."""
+    min_p = _column(rows, "min_p", 0.0)
+    if min_p is not None:
+        z = min_p_filter(z, min_p)
+    top_k = _column(rows, "top_k", 0.0)
+    if top_k is not None:
+        z = top_k_filter(z, top_k.long())
+    top_p = _column(rows, "top_p", 1.0)
+    if top_p is not None:
+        z = top_p_filter(z, top_p)
+    return z
 
 
 # ----------------------------------------------------------------- speculative verification

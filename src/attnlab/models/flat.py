@@ -29,7 +29,7 @@ from attnlab.models.decoder_parts import layer_pattern
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
 
-__all__ = ["FlatBatch", "decoder_forward_flat", "run_grouped"]
+__all__ = ["FlatBatch", "decoder_forward_flat", "flat_plans", "run_grouped"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def run_grouped(
     return out
 
 
-def _flat_plans(
+def flat_plans(
     model: DecoderLM, x: Tensor, batch: FlatBatch, cache: ModelCache
 ) -> dict[int | None, AttentionPlan]:
     """One plan per sliding window of the layers: the per-sequence pattern (causal, the
@@ -134,14 +134,22 @@ def _flat_plans(
 
 
 def decoder_forward_flat(
-    model: DecoderLM, input_ids: Tensor, batch: FlatBatch, cache: ModelCache
+    model: DecoderLM,
+    input_ids: Tensor,
+    batch: FlatBatch,
+    cache: ModelCache,
+    plans: dict[int | None, AttentionPlan] | None = None,
 ) -> Tensor:
     """:meth:`DecoderLM.forward_flat`: the decoder's layers over one flat row
     ``input_ids [1, N]``, each with its window's plan and its serving cache (the paged
     pool's layer, or its state slots); logits ``[n_s, V]`` of each sequence's last token.
+
+    ``plans``: one per window, made beforehand (a compiled decode bucket's, whose backend
+    was chosen before tracing); default: made here for ``batch``.
     """
     x = model._embed_extras(model.embed_tokens(input_ids), batch.positions)  # [1, N, D]
-    plans = _flat_plans(model, x, batch, cache)
+    if plans is None:
+        plans = flat_plans(model, x, batch, cache)
     for layer, layer_cache, window in zip(model.layers, cache.layers, model.layer_windows):
         x = layer(x, plans[window], layer_cache)[0]
     x = model.norm(x.index_select(1, batch.last))  # [1, n_s, D]

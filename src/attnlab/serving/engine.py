@@ -33,12 +33,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._validate import check_int, check_positive_int
+from attnlab.serving.draft_model import DraftRunner, load_draft_model, verify_sampled
 from attnlab.serving.lifecycle import QueueFull, RequestLifecycle
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.output_processor import OutputProcessor
@@ -76,18 +78,24 @@ class Engine(RequestLifecycle):
             pool stores keys and values quantized per token) or ``"int8-channel"``/
             ``"int4-channel"`` (keys per channel over each block, KIVI's layout); more
             blocks fit in ``kv_cache_bytes`` (:mod:`attnlab.cache.paged.storage`).
-        speculative: None, or ``"prompt_lookup"``: each decoding sequence drafts up to
-            ``num_speculative_tokens`` tokens from its context's n-grams (at most
-            ``speculative_max_ngram`` long), verified in the step's forward; the output
-            is what plain decoding gives (:mod:`attnlab.serving.speculative`).
+        speculative: None, ``"prompt_lookup"`` (each decoding sequence drafts up to
+            ``num_speculative_tokens`` tokens from its context's n-grams, at most
+            ``speculative_max_ngram`` long) or ``"draft"`` (``draft_model`` drafts them),
+            verified in the step's forward; greedy output is what plain decoding gives,
+            sampled output is distributed as it (:mod:`attnlab.serving.speculative`,
+            :mod:`attnlab.serving.draft_model`).
         num_speculative_tokens: drafts per sequence and step at most.
         speculative_max_ngram: the longest n-gram prompt lookup matches.
+        draft_model: with ``speculative="draft"``: a smaller attnlab decoder with the
+            model's vocabulary (or its folder or ``.gguf`` file), given its own paged
+            pool of as many blocks, addressed by the model's block tables.
 
     Raises:
-        TypeError: a model that is not an attnlab decoder.
+        TypeError: a model (or draft model) that is not an attnlab decoder.
         ValueError: a bad setting, ``kv_dtype`` for a model without attention layers,
-            ``speculative`` for a model with recurrent layers, or no ``max_model_len``
-            for a model whose config has no context length.
+            ``speculative`` for a model with recurrent layers (or a draft model with
+            them, another vocabulary, or a sliding-window model), or no
+            ``max_model_len`` for a model whose config has no context length.
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class Engine(RequestLifecycle):
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
         speculative_max_ngram: int = 3,
+        draft_model: nn.Module | str | Path | None = None,
     ) -> None:
         config = getattr(model, "config", None)
         if (
@@ -140,7 +149,7 @@ class Engine(RequestLifecycle):
         kv_dtype = check_kv_dtype(kv_dtype, specs, speculative)
         #: the speculative settings, or None
         self.speculative = check_speculative(
-            speculative, num_speculative_tokens, speculative_max_ngram, specs
+            speculative, num_speculative_tokens, speculative_max_ngram, specs, draft_model
         )
         #: why prefix caching is off although it was asked for, or None
         self.prefix_caching_refused: str | None = None
@@ -169,6 +178,10 @@ class Engine(RequestLifecycle):
             kv_dtype=kv_dtype,
         )
         self.runner = ModelRunner(model, self.pool, max_num_seqs=max_num_seqs)
+        #: the draft model's runner (``speculative="draft"``), or None
+        self.draft: DraftRunner | None = None
+        if draft_model is not None:
+            self.draft = DraftRunner(load_draft_model(draft_model, model), self.pool)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
@@ -205,6 +218,11 @@ class Engine(RequestLifecycle):
         if not rows:
             return self._collect()
         self.pool.storage.copy_blocks(scheduled.copies)
+        draft_probs: dict[Any, Tensor] = {}
+        if self.draft is not None:
+            self.draft.copy_blocks(scheduled.copies)
+            if scheduled.draft_slots:
+                draft_probs = self._propose(rows, drafts, scheduled.draft_slots)
         keep = [n if seq.seq_id in drafts else 1 for seq, n in rows] if drafts else None
         try:  # one flat forward of every row's tokens
             logits = self.runner.run([(seq.seq_id, n) for seq, n in rows], keep).float()  # [R, V]
@@ -225,7 +243,9 @@ class Engine(RequestLifecycle):
             first += 1
         accepted = self.metrics.spec_accepted_tokens
         if done:
-            self._sample(logits, done, drafts)
+            self._sample(logits, done, drafts, draft_probs)
+        if self.draft is not None:
+            self.draft.settle()
         rejected = sum(map(len, drafts.values())) - self.metrics.spec_accepted_tokens + accepted
         self.metrics.record_step(
             seconds=time.perf_counter() - t0,
@@ -238,6 +258,33 @@ class Engine(RequestLifecycle):
         )
         return self._collect()
 
+    def _propose(
+        self, rows: list[tuple[Seq, int]], drafts: dict[Any, list[int]], slots: dict[Any, int]
+    ) -> dict[Any, Tensor]:
+        """The draft model's tokens for the reserved slots (a failure: no drafts this
+        step); returns the draft distributions of the sampled rows."""
+        assert self.draft is not None
+        entries = [(seq, slots[seq.seq_id]) for seq, _ in rows if seq.seq_id in slots]
+        try:
+            made = self.draft.propose(entries, eos_ids=self.eos_ids, generator=self._seed_source)
+        except Exception:  # the model's step goes on without drafts
+            log.exception("the draft model failed; this step verifies no drafts")
+            made = {}
+        m = self.pool.manager
+        probs: dict[Any, Tensor] = {}
+        for r, (seq, _) in enumerate(rows):
+            if seq.seq_id not in slots:
+                continue
+            d, q = made.get(seq.seq_id, ([], None))
+            m.append_tokens(seq.seq_id, d)
+            m.truncate(seq.seq_id, m.num_tokens(seq.seq_id))  # unused slots go back
+            rows[r] = (seq, 1 + len(d))
+            if d:
+                drafts[seq.seq_id] = d
+                if q is not None:
+                    probs[seq.seq_id] = q
+        return probs
+
     def _fork(self, seq: Seq) -> list[Seq]:
         """``seq`` and, at a request's first token, its ``n - 1`` forked choices."""
         req = seq.request
@@ -248,12 +295,18 @@ class Engine(RequestLifecycle):
         for child in children:
             self.pool.fork(seq.seq_id, child.seq_id)
             self.runner.fork(seq.seq_id, child.seq_id)
+            if self.draft is not None:
+                self.draft.fork(seq.seq_id, child.seq_id)
             child.in_pool = True
             self.running.append(child)
         return [seq, *children]
 
     def _sample(
-        self, logits: Tensor, done: list[tuple[int, Seq]], drafts: dict[Any, list[int]]
+        self,
+        logits: Tensor,
+        done: list[tuple[int, Seq]],
+        drafts: dict[Any, list[int]],
+        draft_probs: dict[Any, Tensor],
     ) -> None:
         order: list[int] = []  # the logits row of each sampled position
         seqs: list[Seq] = []
@@ -261,6 +314,13 @@ class Engine(RequestLifecycle):
         rewind: dict[int, GeneratorRewind] = {}
         for r, seq in done:
             d = drafts.get(seq.seq_id, [])
+            if seq.seq_id in draft_probs:  # a sampled row's model drafts: the rejection rule
+                a, res = verify_sampled(
+                    logits[r : r + len(d) + 1], seq, d, draft_probs[seq.seq_id],
+                    eos_ids=self.eos_ids, generator=self._seed_source,
+                )  # fmt: skip
+                self._accept(seq, d, res, None, accepted=a)
+                continue
             for s in self._fork(seq) if not d else [seq]:
                 for j in range(len(d) + 1):
                     order.append(r + j)
@@ -268,6 +328,8 @@ class Engine(RequestLifecycle):
                     extras.append(d[:j])
             if d and seq.generator is not None and not seq.request.params.greedy:
                 rewind[seq.seq_id] = GeneratorRewind(seq.generator, logits.shape[-1])
+        if not order:
+            return
         if order != list(range(logits.shape[0])):  # not every row once, in order: a copy
             logits = logits[order]
         results = sample_step(
@@ -282,12 +344,20 @@ class Engine(RequestLifecycle):
             i += len(d) + 1
 
     def _accept(
-        self, s: Seq, d: list[int], results: list[Any], rewind: GeneratorRewind | None
+        self,
+        s: Seq,
+        d: list[int],
+        results: list[Any],
+        rewind: GeneratorRewind | None,
+        *,
+        accepted: int | None = None,
     ) -> None:
-        """Keep ``s``'s verified drafts and the token after them (no drafts: one token)."""
+        """Keep ``s``'s verified drafts and the token after them (no drafts: one token);
+        ``accepted``: how many drafts the rejection rule kept (default: the prefix of
+        drafts equal to the chosen tokens)."""
         if s.request.error is not None:
             return
-        a = accepted_prefix(d, [res.token for res in results])  # a failed row's token is -1
+        a = accepted_prefix(d, [res.token for res in results]) if accepted is None else accepted
         if results[a].error is not None:
             self._fail(s.request, results[a].error)
             return

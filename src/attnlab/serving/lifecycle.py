@@ -22,6 +22,7 @@ import torch
 
 from attnlab.cache.paged.pool import PagedKVPool
 from attnlab.serving.detokenize import IncrementalDetokenizer
+from attnlab.serving.draft_model import DraftRunner
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.output_processor import OutputProcessor
 from attnlab.serving.outputs import CompletionDelta, Request, Seq, run_offline
@@ -51,6 +52,7 @@ class RequestLifecycle:
     max_waiting: int
     pool: PagedKVPool
     runner: ModelRunner
+    draft: DraftRunner | None
     scheduler: Scheduler
     requests: dict[str, Request]
     metrics: EngineMetrics
@@ -164,6 +166,8 @@ class RequestLifecycle:
         if seq.in_pool:
             self.pool.free(seq.seq_id)
             self.runner.release(seq.seq_id)
+            if self.draft is not None:
+                self.draft.release(seq.seq_id)
             seq.in_pool = False
         if seq in self.running:
             self.running.remove(seq)
@@ -202,6 +206,8 @@ class RequestLifecycle:
 
     def _preempted(self, seq: Seq) -> None:
         self.runner.release(seq.seq_id)
+        if self.draft is not None:
+            self.draft.release(seq.seq_id)
         self.metrics.preemptions += 1
 
     # ------------------------------------------------------------------ offline use

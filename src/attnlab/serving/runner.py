@@ -25,11 +25,13 @@ from torch import Tensor, nn
 
 from attnlab.backends.plan import BlockTable, SequenceLayout
 from attnlab.cache.base import LayerCache, ModelCache
-from attnlab.cache.paged.manager import FREED, KVManager, SeqId
+from attnlab.cache.paged.block_rows import BlockRows
+from attnlab.cache.paged.manager import KVManager, SeqId
 from attnlab.cache.paged.pool import PagedKVPool
 from attnlab.cache.recurrent import RecurrentState
 from attnlab.cache.state_slots import SlotTable, StateSlots
 from attnlab.models.flat import FlatBatch
+from attnlab.serving.decode_buckets import DEFAULT_SIZES, DecodeBuckets
 
 __all__ = ["ModelRunner", "layer_specs", "pool_for"]
 
@@ -78,6 +80,7 @@ def pool_for(
         prefix_caching=prefix_caching,
         sliding_window=windows.pop() if len(windows) == 1 else None,
         kv_dtype=kv_dtype,
+        spare_blocks=1,  # the scratch block of compiled decode buckets' padding rows
     )
 
 
@@ -117,6 +120,23 @@ class ModelRunner:
         self.cache = ModelCache(layers=layers)
         self.has_state = "state" in self.specs
         self.has_kv = attn > 0
+        self.block_rows = BlockRows(self.manager)
+        #: compiled decode steps (:meth:`compile_buckets`), or None: every step eager
+        self.buckets: DecodeBuckets | None = None
+
+    def compile_buckets(
+        self, sizes: Sequence[int] = DEFAULT_SIZES, *, max_model_len: int, warm: bool = True
+    ) -> DecodeBuckets:
+        """Run decode-only steps through forwards compiled once per bucket size
+        (:mod:`attnlab.serving.decode_buckets`); ``warm``: compile them all now.
+
+        Raises:
+            ValueError: a model the buckets cannot run (the reason), or bad sizes.
+        """
+        self.buckets = DecodeBuckets(self, sizes, max_model_len=max_model_len)
+        if warm:
+            self.buckets.warm()
+        return self.buckets
 
     # ------------------------------------------------------------------ state slots
 
@@ -131,8 +151,10 @@ class ModelRunner:
                 c.copy(src, dst)
 
     def release(self, seq_id: SeqId) -> None:
-        """``seq_id`` left the pool (finished or preempted): its state slot is free."""
+        """``seq_id`` left the pool (finished or preempted): its state slot and its
+        block-table row are free."""
         self.slots.release(seq_id)
+        self.block_rows.release(seq_id)
 
     # ------------------------------------------------------------------ the step
 
@@ -147,9 +169,9 @@ class ModelRunner:
         pos: list[int] = []
         write: list[int] = []
         last: list[int] = []
-        tables: list[list[int]] = []
         totals: list[int] = []
         fresh: list[bool] = []
+        first: list[int] = []
         for r, (sid, n) in enumerate(rows):
             s = m._seq(sid)
             start = s.computed
@@ -158,10 +180,10 @@ class ModelRunner:
             write += [s.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
             k = 1 if keep is None else keep[r]
             last += range(len(ids) - k, len(ids))
-            tables.append([0 if b == FREED else b for b in s.blocks])
             totals.append(start + n)
             fresh.append(start == 0)
-        blocks = self._blocks(rows, tables, totals, dev) if self.has_kv else None
+            first.append(s.first_live)
+        blocks = self._blocks(rows, totals, first, dev) if self.has_kv else None
         lengths = [n for _, n in rows]
         layout = SequenceLayout.from_lengths(lengths, blocks=blocks, fresh=fresh, device=dev)
 
@@ -182,21 +204,23 @@ class ModelRunner:
     def _blocks(
         self,
         rows: Sequence[tuple[SeqId, int]],
-        tables: list[list[int]],
         totals: list[int],
+        first: list[int],
         dev: torch.device,
     ) -> BlockTable:
+        """The step's block tables ``[n_s, nb]``: the rows :class:`BlockRows` keeps per
+        sequence (synced in the blocks that changed), cut to the step's longest row."""
         bs = self.manager.block_size
-        nb = max(len(tb) for tb in tables)
-        table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long)
-        first = tuple(self.manager._seq(sid).first_live for sid, _ in rows)
+        nb = -(-max(totals) // bs)
+        idx = torch.tensor(self.block_rows.rows([sid for sid, _ in rows]), dtype=torch.long)
+        table = self.block_rows.table[:, :nb].index_select(0, idx)
         # (a backend that reads gathered keys gets their slots from ``gather_index()``)
         return BlockTable(
             table=table.to(dev),
             block_size=bs,
             lengths=tuple(totals),
             offsets=(0,) * len(totals),
-            first_block=first,
+            first_block=tuple(first),
         )
 
     def run(self, rows: Sequence[tuple[SeqId, int]], keep: Sequence[int] | None = None) -> Tensor:
@@ -206,6 +230,10 @@ class ModelRunner:
 
         The caller commits the rows' tokens in the manager after (``KVManager.commit``).
         """
+        if self.buckets is not None and (keep is None or all(k == 1 for k in keep)):
+            out = self.buckets.run(rows)
+            if out is not None:
+                return out
         ids, flat = self.batch(rows, keep)
         logits: Tensor = self.model.forward_flat(ids, flat, self.cache)  # type: ignore[operator]
         return logits

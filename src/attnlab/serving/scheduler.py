@@ -14,7 +14,9 @@ Speculative decoding (an optional ``drafter``): the budget left after every deco
 token, prefill chunk and new request goes to drafted tokens of the decoding sequences,
 in arrival order. A decoding row then carries its last token and its drafts (the model
 verifies them in the same forward); drafts never preempt: a sequence whose drafts do not
-fit in the free blocks runs its one token alone.
+fit in the free blocks runs its one token alone. A drafter that answers a count instead
+of tokens (a draft model, which drafts after scheduling) gets that many slots reserved;
+the engine fills in the tokens before the forward.
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ class ScheduledStep:
         drafts: ``seq_id -> drafted tokens`` of the rows that verify drafts (the row's
             new tokens are its last token and these, known to the manager until the
             engine cuts the rejected ones off).
+        draft_slots: ``seq_id -> k`` of the rows whose ``k`` drafts are still to be made
+            (a draft model): the row counts them and their slots are reserved, but the
+            manager does not know their tokens yet.
     """
 
     rows: list[tuple[Any, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     drafts: dict[Any, list[int]] = field(default_factory=dict)
+    draft_slots: dict[Any, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -62,7 +68,8 @@ class Scheduler:
         on_admit: called with ``(sequence, cached tokens)`` when a sequence enters.
         on_preempt: called with a sequence that lost its blocks (before it waits again).
         drafter: ``drafter(sequence, at_most) -> tokens`` drafts for a decoding sequence
-            (speculative decoding), or None.
+            (speculative decoding), or ``-> k``: reserve ``k`` slots for drafts made
+            after scheduling (a draft model); or None.
     """
 
     def __init__(
@@ -73,7 +80,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         on_admit: Callable[[Any, int], None] | None = None,
         on_preempt: Callable[[Any], None] | None = None,
-        drafter: Callable[[Any, int], list[int]] | None = None,
+        drafter: Callable[[Any, int], list[int] | int] | None = None,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -109,7 +116,7 @@ class Scheduler:
         return step
 
     def _draft(
-        self, step: ScheduledStep, budget: int, drafter: Callable[[Any, int], list[int]]
+        self, step: ScheduledStep, budget: int, drafter: Callable[[Any, int], list[int] | int]
     ) -> None:
         """Give the decoding rows drafted tokens from the budget left (never preempting)."""
         m = self.manager
@@ -118,7 +125,20 @@ class Scheduler:
                 break
             if n != 1 or m.num_tokens(seq.seq_id) - m.num_computed(seq.seq_id) != 1:
                 continue  # a prefill chunk, or a sequence that is not decoding
-            drafts = drafter(seq, budget)[:budget]
+            drafts = drafter(seq, budget)
+            if isinstance(drafts, int):  # slots for a draft model's tokens
+                k = min(drafts, budget)
+                if k <= 0:
+                    continue
+                try:
+                    step.copies += m.reserve(seq.seq_id, k)
+                except OutOfBlocks:
+                    continue
+                step.rows[r] = (seq, 1 + k)
+                step.draft_slots[seq.seq_id] = k
+                budget -= k
+                continue
+            drafts = drafts[:budget]
             if not drafts:
                 continue
             known = m.num_tokens(seq.seq_id)

@@ -1,4 +1,7 @@
-"""Speculative decoding in the serving engine: prompt-lookup drafts verified in the step.
+"""Speculative decoding in the serving engine: drafts verified in the step's forward.
+
+Two drafters: prompt lookup (below) and a draft model (:mod:`attnlab.serving.draft_model`,
+which drafts after scheduling into slots the scheduler reserved); both are verified here.
 
 Prompt lookup (Saxena, 2023) drafts the tokens that followed the latest earlier
 occurrence of a sequence's last n-gram (longest n first); it costs no model, and it is
@@ -45,7 +48,7 @@ __all__ = [
 ]
 
 #: The drafters the engine offers.
-SPECULATIVE_METHODS = ("prompt_lookup",)
+SPECULATIVE_METHODS = ("prompt_lookup", "draft")
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class SpeculativeConfig:
     """The engine's speculative settings.
 
     Attributes:
-        method: ``"prompt_lookup"``.
+        method: ``"prompt_lookup"`` or ``"draft"`` (a draft model).
         num_tokens: drafts per sequence and step at most.
         max_ngram: the longest n-gram prompt lookup matches.
     """
@@ -62,13 +65,14 @@ class SpeculativeConfig:
     num_tokens: int
     max_ngram: int
 
-    def drafter(self, max_model_len: int) -> Callable[[Any, int], list[int]]:
-        """The scheduler's ``drafter(seq, at_most)``: prompt-lookup drafts for a decoding
-        engine sequence, as many as its ``max_tokens`` and the context leave room for
-        (the verified token comes on top); none for a grammar-constrained sequence
-        (its parser state cannot be rewound) or one whose first token is still due."""
+    def drafter(self, max_model_len: int) -> Callable[[Any, int], list[int] | int]:
+        """The scheduler's ``drafter(seq, at_most)`` for a decoding engine sequence:
+        prompt-lookup drafts, or (a draft model) how many slots to reserve for the drafts
+        the model makes after scheduling; as many as its ``max_tokens`` and the context
+        leave room for (the verified token comes on top); none for a grammar-constrained
+        sequence (its parser state cannot be rewound) or one whose first token is due."""
 
-        def draft(seq: Any, at_most: int) -> list[int]:
+        def draft(seq: Any, at_most: int) -> list[int] | int:
             if not seq.output_ids or seq.matcher is not None:
                 return []
             k = min(
@@ -79,6 +83,8 @@ class SpeculativeConfig:
             )
             if k <= 0:
                 return []
+            if self.method == "draft":
+                return k
             if seq.lookup is None:
                 seq.lookup = NgramIndex(self.max_ngram)
             return seq.lookup.draft(seq.tokens, k)  # type: ignore[no-any-return]
@@ -91,19 +97,27 @@ def check_speculative(
     num_speculative_tokens: int,
     max_ngram: int,
     specs: Sequence[str],
+    draft_model: object = None,
 ) -> SpeculativeConfig | None:
     """The engine's speculative settings, checked, or None when off.
 
     Raises:
-        ValueError: an unknown method, a count that is not a positive int, or a model
-            with recurrent layers (a state cannot be cut back to the kept tokens).
+        ValueError: an unknown method, a count that is not a positive int, a model
+            with recurrent layers (a state cannot be cut back to the kept tokens), or
+            ``draft_model`` given without ``speculative="draft"`` or missing with it.
     """
-    if speculative is None:
-        return None
-    if speculative not in SPECULATIVE_METHODS:
+    if speculative is not None and speculative not in SPECULATIVE_METHODS:
         raise ValueError(
             f"speculative must be None or one of {list(SPECULATIVE_METHODS)}, got {speculative!r}"
         )
+    if (speculative == "draft") != (draft_model is not None):
+        raise ValueError(
+            "draft_model is what speculative='draft' drafts with: give both or neither "
+            f"(got speculative={speculative!r}, draft_model="
+            f"{'None' if draft_model is None else type(draft_model).__name__})"
+        )
+    if speculative is None:
+        return None
     check_int("num_speculative_tokens", num_speculative_tokens, min_value=1)
     check_int("speculative_max_ngram", max_ngram, min_value=1)
     if "state" in specs:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from attnlab.generation.sampler import RowSampling, SampleOutput, sample
 
-__all__ = ["RowResult", "sample_step"]
+__all__ = ["RowResult", "row_sampling", "sample_step"]
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ class RowResult:
     error: str | None = None
 
 
-def _row(seq: Any, eos_ids: set[int], extra: Sequence[int] = ()) -> RowSampling:
+def row_sampling(seq: Any, eos_ids: set[int], extra: Sequence[int] = ()) -> RowSampling:
+    """The sampler's row of an engine sequence (EOS and ``stop_token_ids`` banned before
+    ``min_tokens``), sampled as if ``extra`` (drafted tokens) were already output."""
     p = seq.request.params
     output_ids = list(seq.output_ids) + list(extra) if extra else seq.output_ids
     banned: list[int] = []
@@ -104,7 +106,7 @@ def sample_step(
         One :class:`RowResult` per sequence.
     """
     errors: dict[int, str] = {}
-    rows = [_row(s, eos_ids, extras[i] if extras else ()) for i, s in enumerate(seqs)]
+    rows = [row_sampling(s, eos_ids, extras[i] if extras else ()) for i, s in enumerate(seqs)]
     bitmask = _masks(seqs, rows, errors)
     try:
         out = sample(logits, rows, bitmask=bitmask, generator=generator)

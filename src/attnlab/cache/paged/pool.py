@@ -98,6 +98,9 @@ class PagedKVPool:
             stored quantized per token) or ``"int8-channel"``/``"int4-channel"`` (keys per
             channel over each block, KIVI's layout; values per token), dequantized in the
             gather (:class:`~attnlab.cache.paged.storage.KVStorage`).
+        spare_blocks: blocks the storage holds past the ``N`` the manager hands out:
+            block ``N`` is the scratch a compiled decode bucket's padding rows write to
+            (:mod:`attnlab.serving.decode_buckets`), never a sequence's.
 
     Raises:
         ValueError: a size that is not a positive int.
@@ -117,6 +120,7 @@ class PagedKVPool:
         prefix_caching: bool = True,
         sliding_window: int | None = None,
         kv_dtype: str | None = None,
+        spare_blocks: int = 0,
     ) -> None:
         from attnlab.cache.paged.cache import PagedKVCache
 
@@ -130,7 +134,7 @@ class PagedKVPool:
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            num_blocks=num_blocks,
+            num_blocks=num_blocks + spare_blocks,
             block_size=block_size,
             dtype=dtype,
             device=device,

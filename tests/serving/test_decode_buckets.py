@@ -1,0 +1,125 @@
+"""Compiled decode buckets and the runner's block-table rows: output equal to offline
+``generate``, refusals with their reasons, rows equal to the manager's lists."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attnlab.cache.paged.block_rows import BlockRows
+from attnlab.cache.paged.manager import FREED, KVManager
+from attnlab.models.decoder import DecoderLM
+from attnlab.models.decoder_config import DecoderConfig
+from attnlab.models.recurrent import MambaLM
+from attnlab.models.recurrent_config import MambaConfig
+from attnlab.serving import Engine, SamplingParams
+from attnlab.serving.decode_buckets import DecodeBuckets, bucket_refusal, parse_sizes
+
+COMMON = dict(
+    vocab_size=384,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
+    tokenizer: Any,
+) -> None:
+    # the one compiled test (one bucket, ~10-20 s of compiling): Mistral's window frees
+    # blocks behind it, so the kernel's first live block comes from the bucket's metadata
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.mistral(sliding_window=6, **COMMON)).eval()
+    rng = random.Random(1)
+    shared = [rng.randrange(384) for _ in range(10)]
+    prompts = [
+        (shared if rng.random() < 0.6 else [])
+        + [rng.randrange(384) for _ in range(rng.randrange(1, 14))]
+        for _ in range(7)
+    ]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(4, 12), temperature=0.0, ignore_eos=True, n=1 + (i % 3 == 0))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    engine = Engine(model, tokenizer, num_blocks=12, block_size=4, max_num_batched_tokens=16)
+    buckets = engine.runner.compile_buckets((4,), max_model_len=64)
+    assert set(buckets.compile_seconds) == {4}
+    scratch = engine.pool.num_blocks  # the spare block past the manager's
+    results = engine.generate(prompts, params)
+    for prompt, p, choices in zip(prompts, params, results):
+        ref = model.generate(torch.tensor([prompt]), p.max_tokens)[0, len(prompt) :].tolist()
+        assert [c.token_ids for c in choices] == [ref] * p.n
+    assert buckets.steps > 0  # some decode steps ran compiled (1-4 rows padded to 4)
+    assert engine.pool.num_used_blocks == 0 and engine.pool.storage.num_blocks == scratch + 1
+
+
+def test_refused_with_the_reason() -> None:
+    mamba = MambaLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1)).eval()
+    engine = Engine(mamba, None, num_blocks=16, block_size=4, max_model_len=32)
+    assert "recurrent layers" in (bucket_refusal(engine.runner) or "")
+    with pytest.raises(ValueError, match="compiled decode buckets refused: the model has rec"):
+        DecodeBuckets(engine.runner, (1,), max_model_len=32)
+    torch.manual_seed(0)
+    bloom = DecoderLM(DecoderConfig.bloom(**COMMON)).eval()  # ALiBi: the kernel runs none
+    engine = Engine(bloom, None, num_blocks=16, block_size=4)
+    assert "score modifiers" in (bucket_refusal(engine.runner) or "")
+    with pytest.raises(ValueError, match="positive ints"):
+        parse_sizes("1,x")
+    assert parse_sizes("8, 1,2") == (1, 2, 8)
+
+
+def test_block_rows_equal_the_managers_lists_under_random_operations() -> None:
+    rng = random.Random(0)
+    m = KVManager(num_blocks=24, block_size=2, prefix_caching=True, sliding_window=5)
+    rows = BlockRows(m, width=2, rows=2)  # both grow
+    live: list[int] = []
+    for i in range(3000):
+        op = rng.random()
+        if op < 0.1 and len(live) < 8:
+            m.add_sequence(i, [rng.randrange(2) for _ in range(rng.randrange(1, 6))])
+            live.append(i)
+        elif op < 0.15 and live:
+            sid = live.pop(rng.randrange(len(live)))
+            m.free(sid)
+            if rng.random() < 0.5:
+                rows.release(sid)  # else a stale row, reclaimed when the rows run out
+        elif op < 0.2 and live and len(live) < 8:
+            m.fork(rng.choice(live), i)  # shares the blocks: copy-on-write follows
+            live.append(i)
+        elif live:
+            sid = rng.choice(live)
+            s, k = m._seq(sid), rng.randrange(1, 4)
+            m.append_tokens(sid, [rng.randrange(2) for _ in range(k)])
+            if m.blocks_needed(sid, k) > m.num_free_blocks:
+                m.truncate(sid, max(s.computed, s.reserved))  # drafts rejected
+                continue
+            m.reserve(sid, k)
+            if rng.random() < 0.2:  # a verify step keeps some of its drafts
+                kept = rng.randrange(k + 1)
+                m.truncate(sid, s.computed + kept)
+                m.commit(sid, kept)
+            else:
+                m.commit(sid, k)
+        if live and rng.random() < 0.5:
+            some = rng.sample(live, rng.randrange(1, len(live) + 1))
+            for r, sid in zip(rows.rows(some), some):
+                blocks = m._seq(sid).blocks
+                got = rows.table[r, : len(blocks)].tolist()
+                assert [g for g, b in zip(got, blocks) if b != FREED] == [
+                    b for b in blocks if b != FREED
+                ]
+    assert m.copies > 0  # copy-on-write replaced last blocks the rows had seen
