@@ -121,10 +121,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engine-cpus",
         type=cpu_list,
-        default=None,
+        default="auto",
         metavar="LIST",
         help="with --engine-process: pin the engine process to these CPUs (e.g. '0' or "
-        "'0,2-3') and the HTTP process to the others, so the engine has its cores",
+        "'0,2-3') and the HTTP process to the others, so the engine has its cores; "
+        "'auto' (default) pins it to the first --threads CPUs when more are left for HTTP "
+        "(as vLLM binds its engine's threads), 'none' leaves both to the OS",
     )
     p.add_argument(
         "--sink-window",
@@ -142,9 +144,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def cpu_list(text: str) -> list[int]:
-    """``'0,2-3'`` -> ``[0, 2, 3]``: CPUs this machine has (argparse's type for --engine-cpus)."""
+def cpu_list(text: str) -> list[int] | str | None:
+    """``'0,2-3'`` -> ``[0, 2, 3]`` (CPUs this process may use), ``'auto'``, or ``'none'`` ->
+    None: argparse's type for --engine-cpus."""
     import os
+
+    if text in ("auto", "none"):
+        return None if text == "none" else text
 
     cpus: set[int] = set()
     try:
@@ -161,6 +167,18 @@ def cpu_list(text: str) -> list[int]:
             f"{text!r}: this process may run on CPUs {sorted(have)}, not {sorted(cpus - have)}"
         )
     return sorted(cpus)
+
+
+def auto_engine_cpus(threads: int | None) -> list[int] | None:
+    """``--engine-cpus auto``: the first ``threads`` CPUs this process may use when at
+    least one is left for the HTTP process, else None (no pinning)."""
+    import os
+
+    import torch
+
+    have = sorted(os.sched_getaffinity(0))
+    n = threads or torch.get_num_threads()
+    return have[:n] if n < len(have) else None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -234,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.engine_threads = torch.get_num_threads()
     if args.engine_process:
         torch.set_num_threads(1)  # the HTTP process: parsing, tokenising, streaming
     if args.model_dir is not None and not args.model_dir.exists():
@@ -275,7 +294,13 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
     info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
     info["kv_dtype"] = kv
-    info["engine_process"] = facts.get("pid")
+    where = "its own process" if args.engine_process else "a thread of the HTTP process"
+    banner += f"; engine in {where}, {facts['threads']} threads on CPUs {facts['cpus']}"
+    info["engine"] = {
+        "process": bool(args.engine_process),
+        "threads": facts["threads"],
+        "cpus": facts["cpus"],
+    }
     if facts["speculative"] is not None:
         method, num_tokens = facts["speculative"]
         banner += f", speculative {method} of {num_tokens} tokens"
@@ -311,9 +336,13 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.engine_process:
         from attnlab.serving.engine_client import EngineProcess
 
-        proc = EngineProcess(factory, threads=args.threads, cpus=args.engine_cpus)
+        threads = getattr(args, "engine_threads", None) or args.threads
+        cpus = args.engine_cpus
+        if cpus == "auto":
+            cpus = auto_engine_cpus(threads)
+        proc = EngineProcess(factory, threads=threads, cpus=cpus)
         return proc, dict(proc.info)
-    if args.engine_cpus is not None:
+    if isinstance(args.engine_cpus, list):
         raise ValueError("--engine-cpus needs --engine-process (the engine's own process)")
     from attnlab.serving.async_engine import AsyncEngine
     from attnlab.serving.engine_core import engine_facts

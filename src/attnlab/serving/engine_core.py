@@ -68,6 +68,7 @@ def engine_facts(engine: Any, name: str | None) -> dict[str, Any]:
         "speculative": None if spec is None else (spec.method, spec.num_tokens),
         "pid": os.getpid(),
         "threads": _threads(),
+        "cpus": sorted(os.sched_getaffinity(0)),
     }
 
 
