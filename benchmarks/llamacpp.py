@@ -435,6 +435,13 @@ def main() -> None:
     )
     p.add_argument("--skip-q8-0", action="store_true", help="compare on the Q4_1 file only")
     p.add_argument(
+        "--compute",
+        default="int8",
+        choices=["int8", "auto", "float32", "bfloat16"],
+        help="attnlab's quantized layers' compute policy; int8 (default) quantizes the "
+        "activations to int8 blocks of 32 as llama.cpp does for these files",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the decode section: torch.profiler over 32 attnlab decode steps per file",
@@ -471,7 +478,11 @@ def main() -> None:
                 res["q8_0_error"] = str(e)
                 print(f"  q8_0: llama.cpp cannot load the file it quantized: {e}")
         tok = attnlab.from_gguf(q4).tokenizer
-        ours = {k: attnlab.from_gguf(f, quantize="gguf", tokenizer=False) for k, f in files.items()}
+        res["compute"] = args.compute
+        ours = {
+            k: attnlab.from_gguf(f, quantize="gguf", compute=args.compute, tokenizer=False)
+            for k, f in files.items()
+        }
         pairs = {k: (OursModel(ours[k]), PeerModel(peer, f)) for k, f in files.items()}
         if "quality" in args.sections:
             from pydoc_data.topics import topics

@@ -140,6 +140,13 @@ def main() -> None:
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--build-llamacpp", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help="only these rows (e.g. float32 'float32 + int8 KV' 'float32 + int4 KV'); "
+        "float32 is always kept: the other rows are read against it",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.build_llamacpp:
@@ -148,20 +155,26 @@ def main() -> None:
     print(f"load: {os.getloadavg()}, threads {args.threads}, flags: {' '.join(cpu_flags())}")
     flt = attnlab.from_gguf(path)
     tok = flt.tokenizer
-    models: dict[str, Any] = {
-        "float32": flt,
-        "q4_1 (gguf blocks)": attnlab.from_gguf(path, quantize="gguf", tokenizer=False),
+    builders: dict[str, Any] = {
+        "float32": lambda: flt,
+        "q4_1 (gguf blocks)": lambda: attnlab.from_gguf(path, quantize="gguf", tokenizer=False),
+        "int8": lambda: quantize_model(copy.deepcopy(flt), "int8"),
+        "int4 g32": lambda: quantize_model(copy.deepcopy(flt), "int4"),
+        "int4 g128": lambda: quantize_model(copy.deepcopy(flt), "int4:g128"),
+        "float32 + int8 KV": lambda: WithKV(flt, "int8"),
+        "float32 + int4 KV": lambda: WithKV(flt, "int4"),
     }
-    models["int8"] = quantize_model(copy.deepcopy(flt), "int8")
-    models["int4 g32"] = quantize_model(copy.deepcopy(flt), "int4")
-    models["int4 g128"] = quantize_model(copy.deepcopy(flt), "int4:g128")
-    models["float32 + int8 KV"] = WithKV(flt, "int8")
-    models["float32 + int4 KV"] = WithKV(flt, "int4")
+    wanted = None if args.models is None else {"float32", *args.models}
+    unknown = sorted((wanted or set()) - set(builders) - {"llama.cpp q4_1"})
+    if unknown:
+        p.error(f"--models: unknown {unknown}; the rows are {[*builders, 'llama.cpp q4_1']}")
+    models = {k: make() for k, make in builders.items() if wanted is None or k in wanted}
     peer = None
-    if not args.no_llamacpp and (PEERS / "llamacpp" / ".ready").exists():
+    use_peer = not args.no_llamacpp and (wanted is None or "llama.cpp q4_1" in wanted)
+    if use_peer and (PEERS / "llamacpp" / ".ready").exists():
         peer = LlamaCpp(args.threads, max(2048, args.context + 8))
         models["llama.cpp q4_1"] = PeerModel(peer, path)
-    elif not args.no_llamacpp:
+    elif use_peer:
         print(f"llama.cpp: no {PEERS / 'llamacpp' / '.ready'} (run with --build-llamacpp)")
     results: dict[str, Any] = {
         "load": os.getloadavg(),
@@ -199,7 +212,9 @@ def main() -> None:
                 floor_tps = bw * 1e9 / weight_bytes(fast[name])
                 floor = f", floor {floor_tps:.0f} tok/s ({100 * tps / floor_tps:.0f}% of it)"
             print(f"  decode {name}: {tps:.1f} tok/s{floor}")
-        print("  kernels:", json.dumps(kernel_report(models["q4_1 (gguf blocks)"])["kernels"]))
+        if "q4_1 (gguf blocks)" in models:
+            report = kernel_report(models["q4_1 (gguf blocks)"])["kernels"]
+            print("  kernels:", json.dumps(report))
     if "prefill" in args.sections:
         ids = tok(text if "quality" in args.sections else "hello " * 600, add_special_tokens=False)[
             "input_ids"

@@ -5,12 +5,42 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.functional.sampling import check_sampling, next_token, top_k_filter, top_p_filter
+from attnlab.errors import NonFiniteError
+from attnlab.functional.sampling import (
+    check_sampling,
+    greedy_token,
+    next_token,
+    top_k_filter,
+    top_p_filter,
+)
 
 
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(4, 30)
     assert torch.equal(next_token(logits), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [100, 128, 129, 1000, 32000])
+def test_blocked_greedy_equals_max_with_ties_nan_and_the_tail(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        logits = torch.randint(-2, 3, (5, vocab), generator=g).float()  # many ties
+        if trial % 4 == 1:
+            logits[1:3, -1] = 9.0  # the maximum in the tail past the last whole block
+        if trial % 4 == 2:
+            logits[0, vocab // 2] = float("nan")
+        if trial % 4 == 3:
+            logits[3] = float("-inf")
+        values, indices = greedy_token(logits)
+        assert torch.equal(indices, logits.argmax(-1))
+        torch.testing.assert_close(values, logits.max(-1).values, rtol=0, atol=0, equal_nan=True)
+
+
+def test_greedy_refuses_non_finite_rows_by_name() -> None:
+    logits = torch.zeros(3, 300)
+    logits[1, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"step 4.*row\(s\) \[1\]"):
+        next_token(logits, step=4)
 
 
 def test_top_k_keeps_exactly_the_k_largest() -> None:

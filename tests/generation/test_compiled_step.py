@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attnlab.generation import generate
+from attnlab.generation import stream as generation_stream
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 
@@ -149,6 +150,35 @@ def test_default_generate_compiles_and_reports_the_compile(
     # once the graph exists (batch 2, 256 slots), a short run with an EOS token reuses it
     again = compile_decision(model, 9, eos_token_id=3, batch_size=2, prompt_length=130)
     assert again.compile and "exists" in again.reason
+
+
+def test_the_static_cache_is_kept_between_calls_unzeroed_and_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second call of the same shape reuses the first call's static cache without
+    zeroing it; after a longer, padded first call (its keys lie in slots the second call
+    never writes, and in slots that are padding now) it gives the tokens of a fresh call."""
+    from attnlab.generation.compiled import release_static_cache
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the same step, eagerly
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.llama(**LONG)).eval()
+    ids, mask = _prompt()
+    generate(model, ids, 200, attention_mask=mask, compile=True)  # 206 of 256 slots
+    kept = model.__dict__["_static_cache"]
+    stale = kept.layers[0].k[:, :, 140:206].clone()
+    assert bool(stale.abs().sum() > 0)
+    short, short_mask = ids[[1, 0], 1:], mask[[1, 0], 1:]  # the padded row is row 0 now
+    got = generate(model, short, 130, attention_mask=short_mask, compile=True)  # 135 slots
+    assert model.__dict__["_static_cache"] is kept  # reused, not reallocated
+    assert torch.equal(got, generate(model, short, 130, attention_mask=short_mask, compile=False))
+    release_static_cache(model)
+    assert torch.equal(got, generate(model, short, 130, attention_mask=short_mask, compile=True))
+    assert model.__dict__["_static_cache"] is not kept  # a fresh one, zeroed
+    # a stream stopped early keeps its cache (it may hold a partial step): none is kept
+    release_static_cache(model)
+    next(iter(generation_stream(model, ids, 130, attention_mask=mask, compile=True)))
+    assert "_static_cache" not in model.__dict__
 
 
 def test_a_failed_automatic_compile_warns_and_decodes_eagerly(

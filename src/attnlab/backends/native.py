@@ -1,13 +1,16 @@
 """attnlab's own CPU kernels: built once per machine with the system's C++ compiler, cached.
 
-One kernel so far: paged attention that reads a paged KV pool in place
-(``csrc/paged_attention.cpp``, the ``paged_kernel`` backend). It includes only the light
+Two kernels: paged attention that reads a paged KV pool in place
+(``csrc/paged_attention.cpp``, the ``paged_kernel`` backend, ``torch.ops.attnlab_paged``),
+and the quantized-weight GEMVs (``csrc/qgemv.cpp``, :mod:`attnlab.backends.qmatmul_cpu`,
+``torch.ops.attnlab_q``). Each includes only the light
 ATen/``torch/library.h`` headers (no pybind11, no ``torch/extension.h``), so a first build
 takes a few seconds of one core; the shared object is cached under
 ``$ATTNLAB_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/attnlab/kernels``, else
 ``~/.cache/attnlab/kernels``) in a folder named by a hash of the source, the torch
 version, the compiler flags and the CPU's feature flags (it is built with
-``-march=native``), and loaded as a torch custom op (``torch.ops.attnlab_paged``).
+``-march=native``, or ``-march=$ATTNLAB_KERNEL_MARCH``: e.g. ``haswell`` builds the AVX2
+code paths on an AVX-512 machine, to check them), and loaded as torch custom ops.
 
 A machine without a compiler, or a build that fails or takes longer than
 ``ATTNLAB_KERNEL_BUILD_TIMEOUT`` seconds (default 600), leaves the kernel unavailable: the
@@ -29,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["kernel_dir", "load_paged", "paged_status"]
+__all__ = ["kernel_dir", "kernel_status", "load_paged", "paged_status"]
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-march=native", "-fopenmp", "-w")
+_SOURCES = {"paged": "paged_attention.cpp", "qgemv": "qgemv.cpp"}
+_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w")
 _state: dict[str, str | None] = {}
 
 
@@ -55,6 +58,10 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _march() -> str:
+    return os.environ.get("ATTNLAB_KERNEL_MARCH") or "native"
+
+
 def _command(cxx: str, source: Path, out: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -63,6 +70,7 @@ def _command(cxx: str, source: Path, out: Path) -> list[str]:
     return [
         cxx,
         *_FLAGS,
+        f"-march={_march()}",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
         str(source),
@@ -75,23 +83,25 @@ def _command(cxx: str, source: Path, out: Path) -> list[str]:
     ]
 
 
-def _build() -> str | None:
-    """Build (or find) and load the kernel; None when loaded, else why not."""
+def _build(name: str) -> str | None:
+    """Build (or find) and load kernel ``name``; None when loaded, else why not."""
     if os.environ.get("ATTNLAB_NO_KERNELS") == "1":
         return "attnlab's C++ kernels are turned off (ATTNLAB_NO_KERNELS=1)"
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None or shutil.which(cxx) is None:
         return "no C++ compiler found to build the kernel (set CXX)"
-    if not _SOURCE.exists():
-        return f"the kernel's source {_SOURCE} is missing"
+    source = Path(__file__).with_name("csrc") / _SOURCES[name]
+    if not source.exists():
+        return f"the kernel's source {source} is missing"
+    flags = " ".join([*_FLAGS, _march()])
     key = hashlib.sha256(
         b"\0".join(
             x.encode() if isinstance(x, str) else x
-            for x in (_SOURCE.read_bytes(), torch.__version__, " ".join(_FLAGS), cxx, _cpu_flags())
+            for x in (source.read_bytes(), torch.__version__, flags, cxx, _cpu_flags())
         )
     ).hexdigest()[:16]
-    folder = kernel_dir() / f"paged-{key}"
-    so = folder / "paged_attention.so"
+    folder = kernel_dir() / f"{name}-{key}"
+    so = folder / f"{source.stem}.so"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "lock", "w") as lock:
@@ -102,7 +112,7 @@ def _build() -> str | None:
                 os.close(fd)
                 try:
                     done = subprocess.run(
-                        _command(cxx, _SOURCE, Path(tmp)),
+                        _command(cxx, source, Path(tmp)),
                         capture_output=True,
                         text=True,
                         timeout=timeout,
@@ -125,12 +135,17 @@ def _build() -> str | None:
     return None
 
 
+def kernel_status(name: str) -> str | None:
+    """None when kernel ``name`` (``"paged"`` or ``"qgemv"``) is loaded (building it once
+    if needed), else why it is unavailable (the answer is kept for the process)."""
+    if name not in _state:
+        _state[name] = _build(name)
+    return _state[name]
+
+
 def paged_status() -> str | None:
-    """None when the paged-attention kernel is loaded (building it once if needed), else
-    why it is unavailable (the answer is kept for the process)."""
-    if "paged" not in _state:
-        _state["paged"] = _build()
-    return _state["paged"]
+    """:func:`kernel_status` of the paged-attention kernel."""
+    return kernel_status("paged")
 
 
 def load_paged() -> object:

@@ -16,6 +16,16 @@ of these kernels:
 - ``"dequant"``: expand the weights to the compute dtype and call ``F.linear`` (any
   layout; the choice for long prompts, where one GEMM beats the GEMV-shaped kernels).
 
+With ``compute="int8"`` the activations are quantized to int8 blocks of 32 first, as
+llama.cpp does for quantized weights (its Q8_0/Q8_1 activation blocks: ``d = amax / 127``
+in float16, levels rounded half to even), and only these two kernels run, which compute
+the same numbers up to float32 rounding:
+
+- ``"q8dot"``: attnlab's C++ kernel (:func:`attnlab.backends.qmatmul_cpu.qgemv_q8`): exact
+  int8 dot products per block (AVX-512 VNNI or AVX2), scaled in float32 (a few rows).
+- ``"q8dequant"``: the activation blocks rounded in torch and multiplied by the expanded
+  weights with ``F.linear`` (the choice for long prompts).
+
 The compute dtype is decided first and never by timing, so the choice of kernel changes
 speed, not meaning: ``compute="auto"`` runs bfloat16 activations where the CPU multiplies
 bfloat16 natively (AVX-512 BF16 or AMX, what ``torch.ops.mkldnn._is_mkldnn_bf16_supported``
@@ -54,7 +64,7 @@ __all__ = [
     "use_kernel",
 ]
 
-COMPUTE_POLICIES = ("auto", "float32", "bfloat16", "input")
+COMPUTE_POLICIES = ("auto", "float32", "bfloat16", "input", "int8")
 _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INT4_GROUPS = (32, 64, 128, 256)
 
@@ -82,6 +92,11 @@ def compute_dtype(x_dtype: torch.dtype, policy: str) -> tuple[torch.dtype, str]:
         raise ValueError(f"compute must be one of {list(COMPUTE_POLICIES)}, got {policy!r}")
     if policy in _NAMED:
         return _NAMED[policy], f"compute={policy!r} was asked for"
+    if policy == "int8":
+        return torch.float32, (
+            "compute='int8' was asked for: activations quantized to int8 blocks of 32 "
+            "(llama.cpp's Q8_0/Q8_1), int8 dot products scaled in float32"
+        )
     if policy == "input" or x_dtype not in (torch.float32, torch.bfloat16):
         return x_dtype, f"the activations' dtype ({x_dtype})"
     if native_bf16():
@@ -162,7 +177,46 @@ def _run_fused(w: QuantWeights, x2: Tensor) -> Tensor:
 
     form = w.kernel_form("fused", torch.float32)  # (levels, scales) or (levels, scales, mins)
     mins = form[2] if len(form) == 3 else None
-    return qgemv(x2, form[0], form[1], mins, w.group_size).to(x2.dtype)
+    x32 = x2.to(torch.float32).contiguous()
+    return qgemv(x32, form[0], form[1], mins, w.group_size).to(x2.dtype)
+
+
+def _check_q8dot(w: QuantWeights, dtype: torch.dtype) -> str | None:
+    from attnlab.backends.qmatmul_cpu import unavailable
+
+    if w.group_size % 32 or w.in_features % w.group_size:
+        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
+    return unavailable()
+
+
+def _run_q8dot(w: QuantWeights, x2: Tensor) -> Tensor:
+    from attnlab.backends.qmatmul_cpu import qgemv_q8
+
+    form = w.kernel_form("fused", torch.float32)  # the same levels as the float kernel
+    mins = form[2] if len(form) == 3 else None
+    return qgemv_q8(x2.to(torch.float32).contiguous(), form[0], form[1], mins, w.group_size)
+
+
+def _check_q8dequant(w: QuantWeights, dtype: torch.dtype) -> str | None:
+    if w.group_size % 32 or w.in_features % w.group_size:
+        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
+    return None
+
+
+def _run_q8dequant(w: QuantWeights, x2: Tensor) -> Tensor:
+    from attnlab.functional.quant import quantize_act_q8
+
+    m, k = x2.shape
+    q, d, sx = quantize_act_q8(x2.to(torch.float32))  # [M, K/32, 32], [M, K/32, 1] x2
+    xq = (q * d).reshape(m, k)
+    y = torch.nn.functional.linear(xq, w.dequantize(torch.float32))  # [M, N]
+    if w.kind == "int4":  # the minimums' term with Q8_1's float16 block sums, as llama.cpp
+        mins: Tensor = w.mins  # type: ignore[attr-defined]
+        per = w.group_size // 32
+        exact = sx.reshape(m, -1, per).sum(-1)  # [M, K/G]
+        used = (q * d).reshape(m, -1, per * 32).sum(-1)  # what F.linear multiplied by m
+        y = y + (exact - used) @ mins.t()
+    return y
 
 
 def _check_dequant(w: QuantWeights, dtype: torch.dtype) -> str | None:
@@ -180,6 +234,7 @@ class Kernel:
     name: str
     check: Callable[[QuantWeights, torch.dtype], str | None]
     run: Callable[[QuantWeights, Tensor], Tensor]
+    activations: str = "float"  # "int8": runs only (and always) under compute="int8"
 
 
 KERNELS: dict[str, Kernel] = {
@@ -190,6 +245,8 @@ KERNELS: dict[str, Kernel] = {
         Kernel("int4pack", _check_int4pack, _run_int4pack),
         Kernel("fused", _check_fused, _run_fused),
         Kernel("dequant", _check_dequant, _run_dequant),
+        Kernel("q8dot", _check_q8dot, _run_q8dot, "int8"),
+        Kernel("q8dequant", _check_q8dequant, _run_q8dequant, "int8"),
     )
 }
 
@@ -231,6 +288,7 @@ class LinearChoice:
         timings_us: each runnable kernel's measured time for ``rows`` rows, microseconds.
         rejected: each kernel that cannot run, with the reason.
         rows: the row bucket measured (a power of two).
+        activations: ``"float"``, or ``"int8"`` (quantized to blocks of 32 first).
     """
 
     chosen: str
@@ -240,11 +298,13 @@ class LinearChoice:
     timings_us: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     rows: int = 1
+    activations: str = "float"
 
     def __str__(self) -> str:
         times = ", ".join(f"{k} {v:.0f} us" for k, v in self.timings_us.items())
         why = f" ({times})" if times else ""
-        return f"{self.chosen} [{self.how}{why}] in {self.compute_dtype}: {self.dtype_reason}"
+        act = " with int8 activations" if self.activations == "int8" else ""
+        return f"{self.chosen} [{self.how}{why}] in {self.compute_dtype}{act}: {self.dtype_reason}"
 
 
 _MEMO: dict[tuple[object, ...], LinearChoice] = {}
@@ -277,6 +337,17 @@ def _time_all(fns: dict[str, Callable[[], Tensor]], rounds: int = 5) -> dict[str
     return {k: v * 1e6 for k, v in best.items()}
 
 
+def _reject(k: Kernel, w: QuantWeights, dtype: torch.dtype, act: str) -> str | None:
+    """Why kernel ``k`` cannot run ``w`` with ``act`` activations in ``dtype``, or None."""
+    if k.activations != act:
+        return (
+            "multiplies int8 activation blocks: only under compute='int8'"
+            if k.activations == "int8"
+            else "multiplies float activations: compute='int8' asks for int8 blocks"
+        )
+    return k.check(w, dtype)
+
+
 def choose_kernel(
     w: QuantWeights, rows: int, x_dtype: torch.dtype, *, kernel: str = "auto", compute: str = "auto"
 ) -> LinearChoice:
@@ -297,7 +368,8 @@ def choose_kernel(
     # ContextVar): the graph keeps what was measured or forced when it was traced
     compiling = torch.compiler.is_compiling()
     forced = kernel if kernel != "auto" else (None if compiling else _FORCED.get())
-    rejected = {k.name: why for k in KERNELS.values() if (why := k.check(w, dtype)) is not None}
+    act = "int8" if compute == "int8" else "float"
+    rejected = {k.name: why for k in KERNELS.values() if (why := _reject(k, w, dtype, act))}
     if forced is not None:
         if forced not in KERNELS:
             raise ValueError(
@@ -305,22 +377,26 @@ def choose_kernel(
             )
         if forced in rejected:
             raise ValueError(f"kernel {forced!r} cannot run this layer: {rejected[forced]}")
-        return LinearChoice(forced, dtype, reason, "forced", rejected=rejected, rows=rows)
+        return LinearChoice(forced, dtype, reason, "forced", rejected=rejected, rows=rows,
+                            activations=act)  # fmt: skip
     bucket = _bucket(rows)
-    key = (w.kind, w.out_features, w.in_features, w.group_size, bucket, dtype, x_dtype)
+    key = (w.kind, w.out_features, w.in_features, w.group_size, bucket, dtype, x_dtype, act)
     memo = _MEMO.get(key)
     if memo is not None:
         return memo
     runnable = [k for k in KERNELS.values() if k.name not in rejected]
     if compiling:  # no timing inside a graph: a fixed rule (measure_kernels first avoids it)
-        packed = [k.name for k in runnable if k.name != "dequant"]
-        name = packed[0] if packed and bucket <= 8 else "dequant"
-        return LinearChoice(name, dtype, reason, "rule", rejected=rejected, rows=bucket)
+        packed = [k.name for k in runnable]
+        long = "q8dequant" if act == "int8" else "dequant"
+        packed = [n for n in packed if n != long]
+        name = packed[0] if packed and bucket <= 8 else long
+        return LinearChoice(name, dtype, reason, "rule", rejected=rejected, rows=bucket,
+                            activations=act)  # fmt: skip
     x = torch.randn(bucket, w.in_features, dtype=dtype)
     with torch.no_grad():
         timings = _time_all({k.name: functools.partial(k.run, w, x) for k in runnable})
     best = min(timings, key=lambda n: timings[n])
-    choice = LinearChoice(best, dtype, reason, "measured", timings, rejected, bucket)
+    choice = LinearChoice(best, dtype, reason, "measured", timings, rejected, bucket, act)
     _MEMO[key] = choice
     return choice
 

@@ -32,6 +32,7 @@ __all__ = [
     "check_scale",
     "check_tensor",
     "check_token_ids",
+    "refuse_nonfinite_max",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -144,7 +145,12 @@ def check_finite_logits(logits: Tensor, *, step: int) -> None:
     Raises:
         NonFiniteError: the message names the step, the rows and what was found.
     """
-    top = logits.amax(dim=-1)  # [B]; NaN and +inf propagate, an all -inf row stays -inf
+    refuse_nonfinite_max(logits.amax(dim=-1), step=step)
+
+
+def refuse_nonfinite_max(top: Tensor, *, step: int) -> None:
+    """:func:`check_finite_logits` given the rows' maxima ``top [B]`` (NaN and ``+inf``
+    propagate through a max, an all ``-inf`` row stays ``-inf``): one host sync."""
     bad = ~torch.isfinite(top)
     if bool(bad.any()):
         rows = bad.nonzero().flatten()[:8].tolist()

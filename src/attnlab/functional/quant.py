@@ -15,6 +15,12 @@ Rounding follows llama.cpp's reference quantizers (``quantize_row_q8_0_ref``,
 ``q = round((w - min) / scale)`` (int4). 4-bit levels are stored two per byte, the even
 column in the low nibble.
 
+Activations can be quantized too (:func:`quantize_act_q8`), as llama.cpp does before it
+multiplies quantized weights on the CPU: blocks of 32 along ``K``, ``d = amax / 127``
+stored in float16, ``q = round_half_even(x * (127 / amax))`` (its ``quantize_row_q8_0``
+and ``quantize_row_q8_1`` for x86, ``ggml/src/ggml-cpu/arch/x86/quants.c``), and for
+Q8_1 the block's ``sx = fp16(d * sum q)``.
+
 Shape notation: ``N`` output features, ``K`` input features, ``G`` group size,
 ``M`` rows of activations.
 """
@@ -31,6 +37,7 @@ __all__ = [
     "dequantize_int4",
     "dequantize_int8",
     "pack_nibbles",
+    "quantize_act_q8",
     "quantize_int4",
     "quantize_int8",
     "quantized_linear_reference",
@@ -148,3 +155,30 @@ def quantized_linear_reference(
         w = dequantize_int4(q, scales, mins, torch.float64)
     y = x.to(torch.float64) @ w.T
     return y if bias is None else y + bias.to(torch.float64)
+
+
+def quantize_act_q8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Activations ``[M, K]`` -> llama.cpp's Q8_0/Q8_1 blocks, in float32 tensors.
+
+    Per block of 32: ``amax = max |x|``, ``d = fp16(amax / 127)``, levels
+    ``q = round_half_even(x * (127 / amax))`` (0 where ``amax = 0``; the multiplier and
+    product in float32, as ggml's x86 code computes them) and ``sx = fp16((amax / 127) *
+    sum q)``.
+
+    Returns:
+        ``q [M, K/32, 32]`` (integers in -127..127), ``d [M, K/32, 1]``, ``sx [M, K/32, 1]``.
+
+    Raises:
+        ValueError: ``x`` not 2-D float32 with ``K`` a multiple of 32.
+    """
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % 32:
+        raise ValueError(
+            f"x must be float32 [M, K] with K a multiple of 32, got {x.dtype} {tuple(x.shape)}"
+        )
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    mul = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * mul)
+    d = amax / 127.0
+    sx = (d * q.sum(-1, keepdim=True)).to(torch.float16).to(torch.float32)
+    return q, d.to(torch.float16).to(torch.float32), sx

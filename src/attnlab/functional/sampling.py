@@ -14,11 +14,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.functional._checks import check_finite_logits, check_int, check_real
+from attnlab.functional._checks import (
+    check_finite_logits,
+    check_int,
+    check_real,
+    refuse_nonfinite_max,
+)
 
 __all__ = [
     "apply_penalties",
     "check_sampling",
+    "greedy_token",
     "min_p_filter",
     "next_token",
     "sample_with_noise",
@@ -158,6 +164,41 @@ def sample_with_noise(probs: Tensor, noise: Tensor) -> Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+#: Vocabulary entries per block of :func:`greedy_token`'s first pass.
+GREEDY_BLOCK = 128
+
+
+def greedy_token(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """``(max, argmax)`` of each row of ``logits [B, V]``: ``logits.max(-1)``, faster.
+
+    torch's CPU ``argmax`` over a long row does not vectorize (8 x 32000 float32 took
+    ~0.5 ms on one core, ``amax`` ~0.02 ms), so the rows are read once in blocks of
+    :data:`GREEDY_BLOCK` by ``amax``; the first block holding the row's maximum is
+    searched by ``argmax``. The index is the first maximal entry, as ``argmax``'s
+    (NaN counts as the maximum, as there); the maxima go to the non-finite check.
+
+    Returns:
+        ``(values [B], indices [B] long)``.
+    """
+    b, v = logits.shape
+    n = v - v % GREEDY_BLOCK
+    if n == 0 or logits.stride(-1) != 1:
+        values, indices = logits.max(dim=-1)
+        return values, indices
+    blocks = logits[:, :n].unflatten(-1, (n // GREEDY_BLOCK, GREEDY_BLOCK))  # [B, n/blk, blk]
+    maxima = blocks.amax(dim=-1)  # [B, n/blk]
+    best = maxima.argmax(dim=-1)  # [B], the first block holding the maximum
+    rows = torch.arange(b, device=logits.device)
+    indices = best * GREEDY_BLOCK + blocks[rows, best].argmax(dim=-1)  # [B]
+    values = maxima[rows, best]
+    if n < v:  # the tail past the last whole block
+        tail_values, tail_indices = logits[:, n:].max(dim=-1)
+        later = (tail_values > values) | (tail_values.isnan() & ~values.isnan())
+        indices = torch.where(later, tail_indices + n, indices)
+        values = torch.where(later, tail_values, values)
+    return values, indices
+
+
 def next_token(
     logits: Tensor,
     *,
@@ -189,9 +230,11 @@ def next_token(
             reduction and one host sync per call; see
             :func:`attnlab.functional._checks.check_finite_logits`).
     """
-    check_finite_logits(logits, step=step)
     if not do_sample:
-        return logits.argmax(dim=-1)
+        top, tok = greedy_token(logits)
+        refuse_nonfinite_max(top, step=step)
+        return tok
+    check_finite_logits(logits, step=step)
     scores = logits.float() / temperature
     if top_k is not None:
         scores = top_k_filter(scores, top_k)

@@ -25,7 +25,12 @@ from torch import Tensor, nn
 
 from attnlab.functional.positions import positions_from_mask
 from attnlab.functional.sampling import check_sampling, next_token
-from attnlab.generation.compiled import compile_decision, compiled_decode_step, static_cache
+from attnlab.generation.compiled import (
+    compile_decision,
+    compiled_decode_step,
+    keep_static_cache,
+    static_cache,
+)
 from attnlab.generation.inputs import (
     check_cache_room,
     check_fresh_cache,
@@ -92,6 +97,7 @@ def stream(
         return tok if eos is None else tok.masked_fill(finished, pad_token_id)
 
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    steps_of: _DecoderSteps | None = None
     if getattr(model, "is_encoder_decoder", False):
         from attnlab.generation.seq2seq import stream_seq2seq
 
@@ -112,7 +118,9 @@ def stream(
         if eos is not None:
             finished |= torch.isin(tok, eos)
             if bool(finished.all()):
-                return
+                break
+    if steps_of is not None and steps_of.owned:  # ended normally: the next call reuses it
+        keep_static_cache(model, steps_of.cache)
 
 
 class _DecoderSteps:
@@ -134,6 +142,8 @@ class _DecoderSteps:
         self.model, self.input_ids, self.new = model, input_ids, max_new_tokens
         self.compiled, self.auto = compiled, auto
         needed = p + max_new_tokens
+        # a static cache this generation made (or took back): kept for the next call
+        self.owned = compiled and cache is None and kv_dtype is None
         if kv_dtype is not None:
             cache = quantized_cache(model, kv_dtype, cache, compiled, needed)
         elif compiled:

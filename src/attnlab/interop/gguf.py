@@ -51,6 +51,7 @@ def from_gguf(
     tokenizer: bool = True,
     progress: bool = False,
     quantize: str | None = None,
+    compute: str = "auto",
 ) -> Any:
     """Load a GGUF file (llama.cpp's format) as an attnlab :class:`~attnlab.models.DecoderLM`.
 
@@ -71,6 +72,11 @@ def from_gguf(
             layers without going through float: :mod:`attnlab.interop.gguf_quant`); or
             ``"int8"``/``"int4"``/``"int4:g64"``... (the same, and the file's float
             matrices quantized so).
+        compute: the quantized layers' compute policy
+            (:data:`attnlab.backends.qmatmul.COMPUTE_POLICIES`): ``"auto"`` (bfloat16
+            activations where the CPU multiplies them natively, else float32), or
+            ``"int8"``: activations quantized to int8 blocks of 32, as llama.cpp
+            multiplies this file (:mod:`attnlab.backends.qmatmul`). Needs ``quantize``.
 
     Returns:
         The model in eval mode, with ``model.tokenizer`` (or None) and
@@ -103,6 +109,12 @@ def from_gguf(
         ) from None
     except ValueError as e:
         raise ModelFileError(str(e)) from None
+    from attnlab.backends.qmatmul import COMPUTE_POLICIES
+
+    if compute not in COMPUTE_POLICIES:
+        raise ValueError(f"compute must be one of {list(COMPUTE_POLICIES)}, got {compute!r}")
+    if compute != "auto" and quantize is None:
+        raise ValueError(f"compute={compute!r} applies to quantized layers: pass quantize= too")
     kept: set[str] = set()
     if quantize is not None:
         from attnlab.interop.gguf_quant import blocks_to_keep
@@ -127,6 +139,10 @@ def from_gguf(
 
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
         load_blocks(model, gguf, kept, heads, quantize)
+        if compute != "auto":
+            from attnlab.models.quantize import set_compute
+
+            set_compute(model, compute)
     model.tokenizer = gguf_tokenizer(gguf) if tokenizer else None
     model.generation_config = generation_settings(gguf.metadata)
     model.dtype_choice = choice

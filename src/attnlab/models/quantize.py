@@ -21,7 +21,7 @@ from attnlab.modules.linear import LinearSpec, convert_linear
 from attnlab.modules.quant_experts import QuantExperts
 from attnlab.modules.quant_linear import QuantEmbedding, QuantLinear
 
-__all__ = ["kernel_report", "quantize_model", "quantized_layers"]
+__all__ = ["kernel_report", "quantize_model", "quantized_layers", "set_compute"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,22 @@ def quantize_model(
 def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
     """Every quantized layer of ``model`` by its qualified name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def set_compute(model: nn.Module, compute: str) -> nn.Module:
+    """Set every quantized layer's compute policy (``"int8"``: int8 activation blocks, as
+    llama.cpp; see :mod:`attnlab.backends.qmatmul`) and return ``model``.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    from attnlab.backends.qmatmul import COMPUTE_POLICIES
+
+    if compute not in COMPUTE_POLICIES:
+        raise ValueError(f"compute must be one of {list(COMPUTE_POLICIES)}, got {compute!r}")
+    for layer in quantized_layers(model).values():
+        layer.compute = compute
+    return model
 
 
 def measure_kernels(
