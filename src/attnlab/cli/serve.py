@@ -110,6 +110,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="torch intra-op threads of the engine (the HTTP side uses one)",
     )
+    _add_engine_layout(p)
+    p.add_argument(
+        "--sink-window",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="refused: the paged engine cannot honour an attention-sink cache (use "
+        "`attnlab generate --sink-window W`)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout once listening: url, model, KV blocks",
+    )
+    p.set_defaults(func=run)
+
+
+def _add_engine_layout(p: argparse.ArgumentParser) -> None:
+    """``--engine-process`` and ``--engine-cpus``: where the engine runs."""
     p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
@@ -128,20 +147,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "'auto' (default) pins it to the first --threads CPUs when more are left for HTTP "
         "(as vLLM binds its engine's threads), 'none' leaves both to the OS",
     )
-    p.add_argument(
-        "--sink-window",
-        type=positive_int,
-        default=None,
-        metavar="W",
-        help="refused: the paged engine cannot honour an attention-sink cache (use "
-        "`attnlab generate --sink-window W`)",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout once listening: url, model, KV blocks",
-    )
-    p.set_defaults(func=run)
 
 
 def cpu_list(text: str) -> list[int] | str | None:
