@@ -8,7 +8,12 @@ import torch
 from scipy import stats
 
 from attnlab.generation.sampler import speculative_verify
-from attnlab.generation.speculative import SpeculativeStats, prompt_lookup, speculative_stream
+from attnlab.generation.speculative import (
+    NgramIndex,
+    SpeculativeStats,
+    prompt_lookup,
+    speculative_stream,
+)
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 
@@ -30,6 +35,21 @@ def test_prompt_lookup_continues_the_latest_match() -> None:
     assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], num_draft=2) == [7, 5]
     assert prompt_lookup([4, 5, 6], num_draft=3) == []
     assert prompt_lookup([1, 2, 1], max_ngram=3, num_draft=4) == [2, 1]
+
+
+def test_the_ngram_index_generate_drafts_with_equals_the_scan() -> None:
+    """generate's drafter (built as the tokens grow) drafts what the whole-context scan
+    drafts, on sequences grown one or several tokens at a time, as verification grows them."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(20):
+        tokens: list[int] = []
+        index = NgramIndex(max_ngram=3)
+        for _ in range(40):
+            tokens += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+            k = rng.randrange(1, 6)
+            assert index.draft(tokens, k) == prompt_lookup(tokens, max_ngram=3, num_draft=k)
 
 
 @pytest.mark.parametrize("draft", ["prompt_lookup", "model"])

@@ -78,11 +78,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=["prompt_lookup"],
+        choices=["prompt_lookup", "draft"],
         default=None,
         help="speculative decoding: each decoding request drafts tokens from its own "
-        "context's n-grams, verified in the same forward (same output, fewer steps when "
-        "the output repeats the prompt); refused for recurrent models",
+        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
+        "same forward (greedy output unchanged, sampled output distributed as without; "
+        "fewer steps when drafts are kept); refused for recurrent models",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
+        "or a .gguf file)",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -96,6 +105,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="context length (prompt + output); default the model's "
         "max_position_embeddings (needed for a recurrent model, which has none)",
+    )
+    p.add_argument(
+        "--decode-buckets",
+        type=_bucket_sizes,
+        default="auto",
+        metavar="SIZES|auto|off",
+        help="decode-only steps padded to these batch sizes (e.g. 1,2,4,8) and each size "
+        "compiled once at startup with torch.compile, as vLLM captures graphs; auto: "
+        "1,2,4,8,16,32 when the model allows it (the reason is printed when not: "
+        "recurrent layers, a quantized KV pool, ALiBi...); off: every step eager",
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
@@ -264,6 +283,14 @@ def run(args: argparse.Namespace) -> int:
         from attnlab.interop.checkpoints import check_model_folder
 
         check_model_folder(args.model_dir)  # a missing model: named, before the port is bound
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise ValueError(
+            "--draft-model is what --speculative draft drafts with: give both or neither"
+        )
+    if args.draft_model is not None and not args.draft_model.exists():
+        from attnlab.interop.checkpoints import check_model_folder
+
+        check_model_folder(args.draft_model)
     sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
     with sock:
         app, info, banner = _app(args)
@@ -275,6 +302,28 @@ def run(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
         uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _bucket_sizes(text: str) -> str:
+    """``--decode-buckets`` checked at parse time: auto, off or positive ints."""
+    if text not in ("auto", "off"):
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected auto, off or comma-separated positive ints (1,2,4,8), got {text!r}"
+            )
+    return text
+
+
+def decode_buckets(text: str) -> tuple[tuple[int, ...] | None, bool]:
+    """``--decode-buckets``: ``(sizes or None, whether the user asked for them)``."""
+    from attnlab.serving.decode_buckets import DEFAULT_SIZES, parse_sizes
+
+    if text == "off":
+        return None, False
+    if text == "auto":
+        return DEFAULT_SIZES, False
+    return parse_sizes(text), True
 
 
 def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
@@ -310,6 +359,9 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         method, num_tokens = facts["speculative"]
         banner += f", speculative {method} of {num_tokens} tokens"
         info["speculative"] = {"method": method, "num_tokens": num_tokens}
+        if args.draft_model is not None:
+            banner += f" from {args.draft_model}"
+            info["speculative"]["draft_model"] = str(args.draft_model)
     if embeddings is not None:
         banner += f", embeddings of {embeddings.model_name}"
         info["embeddings"] = embeddings.model_name
@@ -321,11 +373,12 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     process (``--engine-process``, the default) or in a thread of this one."""
     import functools
 
-    from attnlab.serving.server import load_engine
-
+    sizes, required = decode_buckets(args.decode_buckets)
     factory = functools.partial(
-        load_engine,
+        build_served_engine,
         args.model_dir,
+        sizes,
+        required,
         chat_template=args.chat_template,
         progress=True,
         block_size=args.block_size,
@@ -333,6 +386,7 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         kv_dtype=args.kv_dtype,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
@@ -354,3 +408,18 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     engine, name = factory()
     return AsyncEngine(engine), engine_facts(engine, name)
+
+
+def build_served_engine(
+    model: Any, decode_sizes: tuple[int, ...] | None, decode_required: bool, **kwargs: Any
+) -> tuple[Any, str]:
+    """``(engine, model name)`` as ``attnlab serve`` runs it: loaded, its decode buckets
+    compiled (or the reason they are not, on stderr). Module-level, so the engine process
+    can be handed it pickled."""
+    from attnlab.serving.decode_buckets import enable_for_serving
+    from attnlab.serving.server import load_engine
+
+    engine, name = load_engine(model, **kwargs)
+    print(enable_for_serving(engine, decode_sizes, required=decode_required), file=sys.stderr)
+    sys.stderr.flush()
+    return engine, name

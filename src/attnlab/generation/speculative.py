@@ -16,7 +16,7 @@ Batch size 1 (each row would accept a different number of tokens).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,13 @@ from attnlab.functional.sampling import (
 from attnlab.generation.inputs import check_inputs
 from attnlab.generation.sampler import speculative_verify
 
-__all__ = ["SpeculativeStats", "generate_speculative", "prompt_lookup", "speculative_stream"]
+__all__ = [
+    "NgramIndex",
+    "SpeculativeStats",
+    "generate_speculative",
+    "prompt_lookup",
+    "speculative_stream",
+]
 
 
 def prompt_lookup(tokens: Sequence[int], *, max_ngram: int = 3, num_draft: int = 8) -> list[int]:
@@ -48,6 +54,40 @@ def prompt_lookup(tokens: Sequence[int], *, max_ngram: int = 3, num_draft: int =
                 if follow:
                     return follow
     return []
+
+
+@dataclass
+class NgramIndex:
+    """Prompt lookup over a growing token list, in constant time per new token.
+
+    :meth:`draft` returns what :func:`prompt_lookup` returns (the continuation of the
+    latest earlier occurrence of the last n-gram, longest ``n`` first), from a map of
+    every n-gram to its latest start that is built as the tokens grow, instead of a scan
+    of the whole context each step. ``generate(speculative="prompt_lookup")`` and the
+    serving engine (:mod:`attnlab.serving.speculative`) draft with it.
+
+    Attributes:
+        max_ngram: the longest n-gram matched.
+    """
+
+    max_ngram: int
+    _latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _indexed: int = 0  # n-grams ending before this token are in ``_latest``
+
+    def draft(self, tokens: Sequence[int], num_draft: int) -> list[int]:
+        """Up to ``num_draft`` tokens after the latest earlier occurrence of the last
+        n-gram of ``tokens`` (a list that only grows between calls); ``[]`` if none."""
+        n_tok = len(tokens)
+        # an n-gram may be matched when a token follows it before the tail: end <= n_tok - 1
+        for end in range(self._indexed + 1, n_tok):
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._latest[tuple(tokens[end - n : end])] = end - n
+        self._indexed = max(self._indexed, n_tok - 1)
+        for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
+            start = self._latest.get(tuple(tokens[n_tok - n :]))
+            if start is not None:
+                return list(tokens[start + n : start + n + num_draft])
+        return []
 
 
 @dataclass
@@ -152,6 +192,7 @@ def speculative_stream(
         else set(eos_token_id)
     )
     st = stats if stats is not None else SpeculativeStats()
+    lookup = NgramIndex(max_ngram)  # constant time per new token, not a scan of the context
 
     def pick(logits: Tensor) -> tuple[int, Tensor | None]:
         if not do_sample:
@@ -182,7 +223,7 @@ def speculative_stream(
         if drafter is not None:
             d, q = drafter.draft(seq, k, pick)
         else:
-            d = prompt_lookup(seq, max_ngram=max_ngram, num_draft=k)
+            d = lookup.draft(seq, k)
         start = cache.length  # the committed tokens but the last
         out = model(torch.tensor([[tok, *d]]), past_key_values=cache, use_cache=True).logits[0]
         check_finite_logits(out, step=produced)

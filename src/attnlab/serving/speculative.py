@@ -30,13 +30,14 @@ were never committed, so no prefix-cache hash includes them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from attnlab._validate import check_int
 from attnlab.generation.sampler import skip_draws
+from attnlab.generation.speculative import NgramIndex  # moved down there; re-exported
 
 __all__ = [
     "SPECULATIVE_METHODS",
@@ -127,39 +128,6 @@ def check_speculative(
             "ones; serve it without speculative decoding"
         )
     return SpeculativeConfig(speculative, num_speculative_tokens, max_ngram)
-
-
-@dataclass
-class NgramIndex:
-    """Prompt lookup over a growing token list, in constant time per new token.
-
-    :meth:`draft` returns what :func:`attnlab.generation.speculative.prompt_lookup`
-    returns (the continuation of the latest earlier occurrence of the last n-gram,
-    longest ``n`` first), from a map of every n-gram to its latest start that is built
-    as the tokens grow instead of a scan of the whole context each step.
-
-    Attributes:
-        max_ngram: the longest n-gram matched.
-    """
-
-    max_ngram: int
-    _latest: dict[tuple[int, ...], int] = field(default_factory=dict)
-    _indexed: int = 0  # n-grams ending before this token are in ``_latest``
-
-    def draft(self, tokens: Sequence[int], num_draft: int) -> list[int]:
-        """Up to ``num_draft`` tokens after the latest earlier occurrence of the last
-        n-gram of ``tokens`` (a list that only grows between calls); ``[]`` if none."""
-        n_tok = len(tokens)
-        # an n-gram may be matched when a token follows it before the tail: end <= n_tok - 1
-        for end in range(self._indexed + 1, n_tok):
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self._latest[tuple(tokens[end - n : end])] = end - n
-        self._indexed = max(self._indexed, n_tok - 1)
-        for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
-            start = self._latest.get(tuple(tokens[n_tok - n :]))
-            if start is not None:
-                return list(tokens[start + n : start + n + num_draft])
-        return []
 
 
 def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
