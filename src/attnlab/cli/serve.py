@@ -76,29 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "per channel over each block as KIVI does (a block's keys stay float while it "
         "fills); dequantized when a step gathers them",
     )
-    p.add_argument(
-        "--speculative",
-        choices=["prompt_lookup", "draft"],
-        default=None,
-        help="speculative decoding: each decoding request drafts tokens from its own "
-        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
-        "same forward (greedy output unchanged, sampled output distributed as without; "
-        "fewer steps when drafts are kept); refused for recurrent models",
-    )
-    p.add_argument(
-        "--draft-model",
-        type=Path,
-        default=None,
-        metavar="FOLDER",
-        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
-        "or a .gguf file)",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=positive_int,
-        default=4,
-        help="drafts per request and step with --speculative (default 4)",
-    )
+    _add_speculative(p)
     p.add_argument(
         "--max-model-len",
         type=positive_int,
@@ -144,6 +122,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="print one JSON object on stdout once listening: url, model, KV blocks",
     )
     p.set_defaults(func=run)
+
+
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    """``--speculative``, ``--draft-model``, ``--num-speculative-tokens``."""
+    p.add_argument(
+        "--speculative",
+        choices=["prompt_lookup", "draft"],
+        default=None,
+        help="speculative decoding: each decoding request drafts tokens from its own "
+        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
+        "same forward (greedy output unchanged, sampled output distributed as without; "
+        "fewer steps when drafts are kept); refused for recurrent models",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
+        "or a .gguf file)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        help="drafts per request and step with --speculative (default 4)",
+    )
 
 
 def _add_engine_layout(p: argparse.ArgumentParser) -> None:
