@@ -114,17 +114,25 @@ class EngineProcess:
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            self.process.wait(10)
+            self._reap()
             raise RuntimeError(
                 f"the engine process exited (status {self.process.returncode}) before "
                 "its engine was built"
             ) from None
         if kind != "ready":
-            self.process.wait(10)
+            self._reap()
             if isinstance(payload, BaseException):
                 raise payload  # the engine's own error (a missing file, a bad setting)
             raise RuntimeError(f"the engine process could not build the engine: {payload}")
         return dict(payload)
+
+    def _reap(self, timeout: float = 10.0) -> None:
+        """Wait for the core to exit; kill it if it has not within ``timeout``."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -142,11 +150,7 @@ class EngineProcess:
             self._loop = None
         with contextlib.suppress(OSError, ValueError):
             self._conn.send(("stop",))
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        self._reap(timeout)
         with contextlib.suppress(OSError):
             self._conn.close()
 
