@@ -6,7 +6,11 @@ Parts (``--part``, default both):
   edit-style workload (chat prompts asking to rename one identifier in a function of
   the standard library and return the whole code, so the output repeats long spans of
   the prompt), greedy, ``--max-new`` tokens each: the engine's output tokens/s with and
-  without ``speculative="prompt_lookup"`` (for each ``--num-speculative`` k), alternating
+  without ``speculative="prompt_lookup"`` (for each ``--num-speculative`` k) and
+  ``speculative="draft"`` (each draft of ``--drafts`` for each ``--draft-k`` k: ``int4``,
+  the same GGUF file's Q4_1 matrices kept quantized, ``quantize="gguf"``, a draft whose
+  weights are the model's own, so it agrees nearly always and costs what int4 kernels
+  cost; ``first-N``, the model's first N layers with its norm and head), alternating
   the settings round by round, at ``--streams`` concurrent requests. The tokens must be
   the same; the acceptance rate and the tokens per forward are reported.
 * ``roles``: SmolLM2 at ``--mamba-streams`` (32) decoding streams (300-character
@@ -25,11 +29,13 @@ Parts (``--part``, default both):
 Usage::
 
     python benchmarks/engine.py [--part speculative|mamba] [--threads 2] [--update-docs]
+        [--drafts int4 first-8] [--draft-k 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import random
@@ -50,7 +56,7 @@ from attnlab.models.recurrent import MambaLM
 from attnlab.models.recurrent_config import MambaConfig
 from attnlab.serving import Engine, SamplingParams
 
-HEADING_SPEC = "## Serving engine: prompt-lookup speculative decoding (issue 23)"
+HEADING_SPEC = "## Serving engine: speculative decoding, prompt lookup and a draft model (issue 23)"
 HEADING_MAMBA = "## Serving engine: Mamba at 32 streams (issue 21)"
 HEADING_ROLES = "## Serving engine: where a 32-stream SmolLM2 decode step goes (issue 21)"
 
@@ -91,6 +97,22 @@ def edit_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     return out
 
 
+def draft_model(model: DecoderLM, name: str) -> DecoderLM:
+    """``int4``: the GGUF file's quantized matrices kept (int4); ``first-N``: the model's
+    first ``N`` layers, its norm and its head."""
+    import attnlab
+    from attnlab.interop.pretrained import smollm2_path
+
+    if name == "int4":
+        return attnlab.from_gguf(smollm2_path(), quantize="gguf")  # type: ignore[no-any-return]
+    if not name.startswith("first-"):
+        raise ValueError(f"--drafts: int4 or first-N, got {name!r}")
+    config = dataclasses.replace(model.config, num_hidden_layers=int(name[len("first-") :]))
+    draft = DecoderLM(config).eval()
+    draft.load_state_dict(model.state_dict(), strict=False)  # the layers past N are left out
+    return draft
+
+
 def run_speculative(args: argparse.Namespace) -> str:
     import attnlab
     from attnlab.interop.pretrained import smollm2_path
@@ -101,7 +123,15 @@ def run_speculative(args: argparse.Namespace) -> str:
     params = SamplingParams(max_tokens=args.max_new, temperature=0.0)
     settings: dict[str, dict[str, Any]] = {"plain": {}}
     for k in args.num_speculative:
-        settings[f"k={k}"] = {"speculative": "prompt_lookup", "num_speculative_tokens": k}
+        settings[f"lookup k={k}"] = {"speculative": "prompt_lookup", "num_speculative_tokens": k}
+    for name in args.drafts:
+        draft = draft_model(model, name)
+        for k in args.draft_k:
+            settings[f"draft {name} k={k}"] = {
+                "speculative": "draft",
+                "draft_model": draft,
+                "num_speculative_tokens": k,
+            }
     lines = []
     for streams in args.streams:
         times: dict[str, list[float]] = {name: [] for name in settings}
@@ -307,7 +337,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--num-speculative", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--num-speculative", type=int, nargs="*", default=[4])
+    ap.add_argument("--drafts", nargs="*", default=["int4"])
+    ap.add_argument("--draft-k", type=int, nargs="+", default=[3, 6])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mamba-streams", type=int, default=32)
     ap.add_argument("--mamba-hidden", type=int, default=512)

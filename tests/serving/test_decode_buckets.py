@@ -17,7 +17,12 @@ from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.recurrent import MambaLM
 from attnlab.models.recurrent_config import MambaConfig
 from attnlab.serving import Engine, SamplingParams
-from attnlab.serving.decode_buckets import DecodeBuckets, bucket_refusal, parse_sizes
+from attnlab.serving.decode_buckets import (
+    DecodeBuckets,
+    bucket_refusal,
+    enable_for_serving,
+    parse_sizes,
+)
 
 COMMON = dict(
     vocab_size=384,
@@ -123,3 +128,22 @@ def test_block_rows_equal_the_managers_lists_under_random_operations() -> None:
                     b for b in blocks if b != FREED
                 ]
     assert m.copies > 0  # copy-on-write replaced last blocks the rows had seen
+
+
+def test_serve_flag_and_the_refusal_at_startup(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnlab.cli.main import main
+    from attnlab.cli.serve import decode_buckets
+
+    assert main(["serve", "--decode-buckets", "1,0"]) == 2
+    assert "--decode-buckets" in capsys.readouterr().err
+    assert decode_buckets("auto") == ((1, 2, 4, 8, 16, 32), False)
+    assert decode_buckets("off") == (None, False)
+    assert decode_buckets("4,1") == ((1, 4), True)
+    mamba = MambaLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1)).eval()
+    engine = Engine(mamba, None, num_blocks=16, block_size=4, max_model_len=32)
+    said = enable_for_serving(engine, (1, 2), required=False)  # auto: eager, with the reason
+    assert said.startswith("eager decode steps (compiled buckets refused: the model has rec")
+    assert engine.runner.buckets is None
+    with pytest.raises(ValueError, match="--decode-buckets: compiled decode buckets refused"):
+        enable_for_serving(engine, (1, 2), required=True)
+    assert enable_for_serving(engine, None, required=True) == "eager decode steps"

@@ -207,3 +207,21 @@ def test_draft_settings_are_checked(tokenizer: Any) -> None:
         Engine(mistral, tokenizer, speculative="draft", draft_model=small)
     with pytest.raises(ValueError, match="int8-channel"):
         Engine(model, tokenizer, kv_dtype="int8-channel", speculative="draft", draft_model=small)
+
+
+def test_serve_flags(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from attnlab.cli.main import build_parser, main
+    from attnlab.cli.serve import _app
+
+    argv = ["serve", str(model_dir), "--speculative", "draft", "--draft-model", str(model_dir)]
+    _, info, banner = _app(build_parser().parse_args([*argv, "--num-speculative-tokens", "2"]))
+    assert info["speculative"] == {
+        "method": "draft",
+        "num_tokens": 2,
+        "draft_model": str(model_dir),
+    }
+    assert f"speculative draft of 2 tokens from {model_dir}" in banner
+    assert main(["serve", str(model_dir), "--speculative", "draft"]) == 2
+    assert "give both or neither" in capsys.readouterr().err
+    assert main([*argv[:-1], str(model_dir / "missing")]) == 1
+    assert "missing" in capsys.readouterr().err

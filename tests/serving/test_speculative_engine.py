@@ -227,9 +227,8 @@ def test_serve_flags(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     from attnlab.cli.main import build_parser, main
     from attnlab.cli.serve import _app
 
-    args = build_parser().parse_args(
-        ["serve", str(model_dir), "--speculative", "prompt_lookup", "--num-speculative-tokens", "3"]
-    )
+    flags = ["--speculative", "prompt_lookup", "--num-speculative-tokens", "3"]
+    args = build_parser().parse_args(["serve", str(model_dir), *flags, "--decode-buckets", "off"])
     _, info, banner = _app(args)
     assert info["speculative"] == {"method": "prompt_lookup", "num_tokens": 3}
     assert "speculative prompt_lookup of 3 tokens" in banner

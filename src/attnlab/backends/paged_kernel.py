@@ -224,10 +224,14 @@ def _check_inputs(query: Tensor, key: Tensor, value: Tensor, table: BlockTable) 
     bs, width = table.block_size, table.table.shape[1]
     held = key.shape[0] // bs
     longest = max(table.lengths)
-    if longest > width * bs or (table.table.numel() and int(table.table.max()) >= held):
+    top: int | None = table.__dict__.get("_kernel_max")
+    if top is None:  # once per table: every layer of the step shares it
+        top = int(table.table.max()) if table.table.numel() else -1
+        table.__dict__["_kernel_max"] = top
+    if longest > width * bs or top >= held:
         raise ValueError(
             f"block_table holds rows of up to {longest} tokens in {width} blocks of {bs}, "
-            f"with block ids up to {int(table.table.max())}; the pools hold {held} blocks"
+            f"with block ids up to {top}; the pools hold {held} blocks"
         )
     if min(table.offsets) < 0 or min(table.first_block) < 0:
         raise ValueError(f"block_table offsets/first_block must be >= 0, got {table}")

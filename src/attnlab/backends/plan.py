@@ -258,7 +258,9 @@ def _group(
         keep += range(a, b)
         places += range(g * width + width - (b - a), (g + 1) * width)
     sub = None
-    if blocks is not None:
+    if blocks is not None and rows == list(range(len(blocks.lengths))):
+        sub = blocks  # every sequence, in order (a decode step): the step's own tables
+    elif blocks is not None:
         idx = torch.tensor(rows, dtype=torch.long, device=blocks.table.device)
         sub = BlockTable(
             table=blocks.table.index_select(0, idx),

@@ -78,11 +78,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=["prompt_lookup"],
+        choices=["prompt_lookup", "draft"],
         default=None,
         help="speculative decoding: each decoding request drafts tokens from its own "
-        "context's n-grams, verified in the same forward (same output, fewer steps when "
-        "the output repeats the prompt); refused for recurrent models",
+        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
+        "same forward (greedy output unchanged, sampled output distributed as without; "
+        "fewer steps when drafts are kept); refused for recurrent models",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
+        "or a .gguf file)",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -96,6 +105,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="context length (prompt + output); default the model's "
         "max_position_embeddings (needed for a recurrent model, which has none)",
+    )
+    p.add_argument(
+        "--decode-buckets",
+        type=_bucket_sizes,
+        default="auto",
+        metavar="SIZES|auto|off",
+        help="decode-only steps padded to these batch sizes (e.g. 1,2,4,8) and each size "
+        "compiled once at startup with torch.compile, as vLLM captures graphs; auto: "
+        "1,2,4,8,16,32 when the model allows it (the reason is printed when not: "
+        "recurrent layers, a quantized KV pool, ALiBi...); off: every step eager",
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
@@ -196,6 +215,14 @@ def run(args: argparse.Namespace) -> int:
         from attnlab.interop.checkpoints import check_model_folder
 
         check_model_folder(args.model_dir)  # a missing model: named, before the port is bound
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise ValueError(
+            "--draft-model is what --speculative draft drafts with: give both or neither"
+        )
+    if args.draft_model is not None and not args.draft_model.exists():
+        from attnlab.interop.checkpoints import check_model_folder
+
+        check_model_folder(args.draft_model)
     sock = bind(args.host, args.port)  # before the model loads: a port in use fails at once
     with sock:
         app, info, banner = _app(args)
@@ -209,10 +236,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bucket_sizes(text: str) -> str:
+    """``--decode-buckets`` checked at parse time: auto, off or positive ints."""
+    if text not in ("auto", "off"):
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected auto, off or comma-separated positive ints (1,2,4,8), got {text!r}"
+            )
+    return text
+
+
+def decode_buckets(text: str) -> tuple[tuple[int, ...] | None, bool]:
+    """``--decode-buckets``: ``(sizes or None, whether the user asked for them)``."""
+    from attnlab.serving.decode_buckets import DEFAULT_SIZES, parse_sizes
+
+    if text == "off":
+        return None, False
+    if text == "auto":
+        return DEFAULT_SIZES, False
+    return parse_sizes(text), True
+
+
 def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     """``(ASGI app, what --json prints, the banner line)`` for the served models."""
     from attnlab.serving.access_log import AccessLog
     from attnlab.serving.async_engine import AsyncEngine
+    from attnlab.serving.decode_buckets import enable_for_serving
     from attnlab.serving.openai_api import build_app
     from attnlab.serving.server import load_engine
 
@@ -235,11 +285,15 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         kv_dtype=args.kv_dtype,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
     )
+    sizes, required = decode_buckets(args.decode_buckets)
+    decoding = enable_for_serving(engine, sizes, required=required)
+    print(decoding, file=sys.stderr, flush=True)
     name = args.served_model_name or name
     app = AccessLog(
         build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
@@ -253,6 +307,9 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         spec = engine.speculative
         banner += f", speculative {spec.method} of {spec.num_tokens} tokens"
         info["speculative"] = {"method": spec.method, "num_tokens": spec.num_tokens}
+        if args.draft_model is not None:
+            banner += f" from {args.draft_model}"
+            info["speculative"]["draft_model"] = str(args.draft_model)
     if embeddings is not None:
         banner += f", embeddings of {embeddings.model_name}"
         info["embeddings"] = embeddings.model_name

@@ -47,7 +47,7 @@ from attnlab.models.flat import FlatBatch, decoder_forward_flat, flat_plans
 if TYPE_CHECKING:
     from attnlab.serving.runner import ModelRunner
 
-__all__ = ["DEFAULT_SIZES", "DecodeBuckets", "bucket_refusal", "parse_sizes"]
+__all__ = ["DEFAULT_SIZES", "DecodeBuckets", "bucket_refusal", "enable_for_serving", "parse_sizes"]
 
 log = logging.getLogger("attnlab.serving")
 
@@ -278,3 +278,34 @@ class DecodeBuckets:
         meta_t = t([v for r in meta for v in r] + [1, 0, 0] * pad).view(size, 3)
         with torch.no_grad():
             return bucket.step(ids_t, pos_t, table, meta_t, write_t)
+
+
+def enable_for_serving(engine: object, sizes: Sequence[int] | None, *, required: bool) -> str:
+    """Compile ``engine``'s decode buckets now (a server's start), or say why not.
+
+    Args:
+        engine: a :class:`~attnlab.serving.Engine` (its ``runner`` and ``max_model_len``).
+        sizes: the bucket sizes, or None (every step eager).
+        required: the user asked for the buckets: a refusal is an error (else it is
+            logged and the server decodes eagerly).
+
+    Returns:
+        What the server's banner says about decoding.
+
+    Raises:
+        ValueError: ``required`` and the buckets are refused (the reason).
+    """
+    if not sizes:
+        return "eager decode steps"
+    runner: ModelRunner = engine.runner  # type: ignore[attr-defined]
+    reason = bucket_refusal(runner)
+    if reason is not None:
+        if required:
+            raise ValueError(f"--decode-buckets: compiled decode buckets refused: {reason}")
+        log.info("compiled decode buckets refused: %s", reason)
+        return f"eager decode steps (compiled buckets refused: {reason})"
+    t = time.perf_counter()
+    runner.compile_buckets(sizes, max_model_len=engine.max_model_len)  # type: ignore[attr-defined]
+    secs = time.perf_counter() - t
+    listed = ",".join(map(str, sorted(set(sizes))))
+    return f"decode steps compiled at batch sizes {listed} (in {secs:.0f} s)"
