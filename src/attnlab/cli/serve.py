@@ -181,15 +181,15 @@ def cpu_list(text: str) -> list[int] | str | None:
     if text in ("auto", "none"):
         return None if text == "none" else text
 
+    import re
+
     cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a CPU list such as '0' or '0,2-3'"
-        ) from None
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if m is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list such as '0' or '0,2-3'")
+        lo = int(m.group(1))
+        cpus.update(range(lo, int(m.group(2) or lo) + 1))
     have = os.sched_getaffinity(0)
     if not cpus or not cpus <= have:
         raise argparse.ArgumentTypeError(

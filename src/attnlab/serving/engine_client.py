@@ -84,9 +84,10 @@ class EngineProcess:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send((factory, threads, cpus, os.getpid()))
+        self.info = self._wait_ready(start_timeout)
+        # pinned once the engine is built (its decode buckets compile on every CPU)
         if cpus is not None and os.sched_getaffinity(0) - set(cpus):
             os.sched_setaffinity(0, os.sched_getaffinity(0) - set(cpus))
-        self.info = self._wait_ready(start_timeout)
         self.tokenizer = self.info.pop("tokenizer")
         self.vocab_size: int = self.info["vocab_size"]
         self.max_model_len: int = self.info["max_model_len"]

@@ -154,18 +154,16 @@ class _Core:
 def core_main(
     conn: Any, factory: EngineFactory, threads: int | None, cpus: list[int] | None, parent: int
 ) -> None:
-    """The core process's entry point (``multiprocessing`` spawns it).
+    """The core process's loop, from :func:`main`: build the engine, report, serve.
 
     Args:
         conn: this end of the pipe.
         factory: builds the engine (called here, so the model loads in this process).
         threads: torch intra-op threads of the engine, or None for torch's default.
-        cpus: the CPUs this process may run on, or None (any).
+        cpus: the CPUs this process runs on once its engine is built, or None (any).
         parent: the API process's pid.
     """
     _die_with_parent(parent)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
     import torch
 
@@ -174,6 +172,8 @@ def core_main(
     try:
         built = factory()
         engine, name = built if isinstance(built, tuple) else (built, None)
+        if cpus is not None:  # after the build: compiling decode buckets uses every CPU
+            os.sched_setaffinity(0, cpus)
         conn.send(("ready", engine_facts(engine, name)))
     except BaseException as e:  # the API process raises it (a user error stays one line)
         try:
