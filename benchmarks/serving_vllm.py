@@ -288,7 +288,14 @@ def run_guidellm(
     ]  # fmt: skip
     if args.client_cpus:
         argv = ["taskset", "-c", args.client_cpus, *argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.level_seconds)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.level_seconds)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"guidellm against {server.name} at {streams} streams did not finish "
+            f"{args.requests} requests in --level-seconds {args.level_seconds}: raise it, or "
+            "lower --requests (SmolLM2 at 1 stream needs about 5 s a request)"
+        ) from None
     if proc.returncode != 0 or not out.exists() or out.stat().st_size == 0:
         raise RuntimeError(
             f"guidellm failed against {server.name}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"

@@ -60,3 +60,25 @@ def test_serve_refuses_a_sink_cache_with_the_reason(
     assert err.count("\n") == 0 and "Traceback" not in err
     assert "--sink-window" in err and "paged engine cannot honour" in err
     assert "attnlab generate --sink-window" in err
+
+
+@pytest.mark.parametrize("value", ["x", "0-", "99999", ""])
+def test_serve_rejects_a_bad_engine_cpu_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    assert main(["serve", str(tmp_path), "--engine-cpus", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--engine-cpus" in err and "Traceback" not in err
+
+
+def test_auto_engine_cpus_leaves_a_cpu_to_http() -> None:
+    import os
+
+    from attnlab.cli.serve import auto_engine_cpus, cpu_list
+
+    have = sorted(os.sched_getaffinity(0))
+    assert auto_engine_cpus(len(have)) is None  # nothing would be left: no pinning
+    if len(have) > 1:
+        assert auto_engine_cpus(1) == have[:1]
+    assert cpu_list("none") is None and cpu_list("auto") == "auto"
+    assert cpu_list(f"{have[0]}") == [have[0]]

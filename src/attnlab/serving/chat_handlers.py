@@ -60,7 +60,7 @@ class ChatRoutes(Routes):
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body = body | {
                 "max_tokens": self.default_chat_max_tokens
-                or max(1, self.eng.max_model_len - len(ids))
+                or max(1, self.engine.max_model_len - len(ids))
             }
         params = sampling_params(body, chat=True, grammar=plan.grammar)
         opts = stream_options(body)

@@ -15,6 +15,7 @@ from typing import Any
 from attnlab.serving.access_log import record_usage
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.engine import QueueFull
+from attnlab.serving.engine_client import EngineProcess
 from attnlab.serving.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from attnlab.serving.params import ParamError, SamplingParams
 from attnlab.serving.protocol import (
@@ -65,11 +66,13 @@ class Routes:
     """The handlers' shared state and steps (one instance per app)."""
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, default_chat_max_tokens: int | None
+        self,
+        engine: AsyncEngine | EngineProcess,
+        model_name: str,
+        default_chat_max_tokens: int | None,
     ) -> None:
         self.engine = engine
-        self.eng = engine.engine
-        self.tokenizer = self.eng.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.default_chat_max_tokens = default_chat_max_tokens
 
@@ -124,13 +127,13 @@ class Routes:
                 raise APIError(400, "tool_choice needs tools", param="tool_choice")
             return OutputPlan()
         return await asyncio.to_thread(
-            output_plan, body, self.tokenizer, self.eng.vocab_size, chat=chat
+            output_plan, body, self.tokenizer, self.engine.vocab_size, chat=chat
         )
 
     def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         for ids in prompts:
             try:
-                self.eng.validate(ids, params)
+                self.engine.validate(ids, params)
             except ParamError as e:
                 raise APIError(400, str(e), param=e.param) from None
         try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.chat_handlers import ChatRoutes
+from attnlab.serving.engine_client import EngineProcess
 from attnlab.serving.protocol import APIError
 
 __all__ = ["APIError", "build_app"]
@@ -50,7 +51,7 @@ class _BearerAuth:
 
 
 def build_app(
-    engine: AsyncEngine | None,
+    engine: AsyncEngine | EngineProcess | None,
     *,
     model_name: str,
     api_key: str | None = None,
@@ -60,8 +61,9 @@ def build_app(
     """The FastAPI application serving ``engine`` under the name ``model_name``.
 
     Args:
-        engine: the engine (its thread is started and stopped with the app), or None for
-            a server of embeddings only (no completions, no chat).
+        engine: the engine in a thread of this process (:class:`AsyncEngine`) or in its
+            own process (:class:`~attnlab.serving.engine_client.EngineProcess`), started
+            and stopped with the app; or None for a server of embeddings only.
         model_name: the model id clients pass as ``model``.
         api_key: when set, ``Authorization: Bearer <api_key>`` is required on ``/v1/``.
         default_chat_max_tokens: ``max_tokens`` of a chat request that gives none
@@ -153,23 +155,23 @@ def build_app(
 
 
 def _generation_routes(
-    app: Any, engine: AsyncEngine, model_name: str, default_chat_max_tokens: int | None
+    app: Any,
+    engine: AsyncEngine | EngineProcess,
+    model_name: str,
+    default_chat_max_tokens: int | None,
 ) -> None:
     """``/v1/completions``, ``/v1/chat/completions`` and ``/metrics`` of the engine."""
     from fastapi import Request
     from fastapi.responses import PlainTextResponse, Response
 
-    eng = engine.engine
     routes = ChatRoutes(engine, model_name, default_chat_max_tokens)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        a = eng.pool.allocator
-        text = eng.metrics.prometheus(
-            cache_hit_rate=a.hits / a.queries if a.queries else 0.0,
-            blocks_free=eng.pool.num_free_blocks,
-            live=eng.gauges(),
-        )
+        try:
+            text = await engine.metrics_text()
+        except RuntimeError as e:
+            raise APIError(503, f"the engine has stopped: {e}", code="engine_stopped") from None
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

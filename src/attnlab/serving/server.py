@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from attnlab.serving.access_log import AccessLog
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.engine import Engine
+from attnlab.serving.engine_client import EngineProcess
 from attnlab.serving.openai_api import build_app
 
 __all__ = ["BackgroundServer", "load_engine"]
@@ -54,7 +55,9 @@ class BackgroundServer:
     or after ``max_seconds`` (so a test or benchmark can never leave it running).
 
     Args:
-        engine: the engine.
+        engine: the engine (run in a thread of this process), or an
+            :class:`~attnlab.serving.engine_client.EngineProcess` (the engine in its own
+            process, as ``attnlab serve`` runs it), or None (embeddings only).
         model_name: the model id of the API.
         port: 0 picks a free port (read :attr:`port` after :meth:`start`).
         api_key: see :func:`~attnlab.serving.openai_api.build_app`.
@@ -66,7 +69,7 @@ class BackgroundServer:
 
     def __init__(
         self,
-        engine: Engine | None,
+        engine: Engine | EngineProcess | None,
         *,
         model_name: str = "attnlab",
         port: int = 0,
@@ -77,7 +80,9 @@ class BackgroundServer:
     ) -> None:
         import uvicorn
 
-        self.async_engine = AsyncEngine(engine) if engine is not None else None
+        self.async_engine: Any = (
+            engine if isinstance(engine, EngineProcess) or engine is None else AsyncEngine(engine)
+        )
         app: Any = build_app(
             self.async_engine, model_name=model_name, api_key=api_key, embeddings=embeddings
         )
