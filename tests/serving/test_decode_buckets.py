@@ -63,8 +63,11 @@ def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
     engine = Engine(model, tokenizer, num_blocks=12, block_size=4, max_num_batched_tokens=16)
     buckets = engine.runner.compile_buckets((4,), max_model_len=64)
     assert set(buckets.compile_seconds) == {4}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     scratch = engine.pool.num_blocks  # the spare block past the manager's
     results = engine.generate(prompts, params)
+    # the warm-up's graph serves the engine's steps (same inference mode): no second compile
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     for prompt, p, choices in zip(prompts, params, results):
         ref = model.generate(torch.tensor([prompt]), p.max_tokens)[0, len(prompt) :].tolist()
         assert [c.token_ids for c in choices] == [ref] * p.n

@@ -250,6 +250,9 @@ class DecodeBuckets:
         self.steps += 1
         return out[:n]
 
+    # inference mode in warm-up as in the engine's step: tensors made under it carry other
+    # dispatch keys, and dynamo's guard on them would compile every bucket a second time
+    @torch.inference_mode()
     def _call(
         self,
         bucket: _Bucket,
@@ -276,7 +279,8 @@ class DecodeBuckets:
         pos_t = t(pos + [0] * pad)[None]
         write_t = t(write + [self.scratch * bs] * pad)
         meta_t = t([v for r in meta for v in r] + [1, 0, 0] * pad).view(size, 3)
-        with torch.no_grad():
+        limit = max(8, 2 * len(self.sizes))  # past it, dynamo would run a bucket eagerly
+        with torch._dynamo.config.patch(recompile_limit=limit):
             return bucket.step(ids_t, pos_t, table, meta_t, write_t)
 
 
