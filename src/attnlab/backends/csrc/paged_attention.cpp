@@ -75,6 +75,7 @@ struct Scalar {
   static T max(T a, T b) { return a > b ? a : b; }
   static float hsum(T v) { return v; }
   static T base(T m) { return m == -kInf ? 0.f : m; }  // a row that saw no key: 0
+  static T outside(T s, T i, T lo, T hi) { return i < lo || i > hi ? -kInf : s; }
   static T exp(T x) {
     if (x != x) return x;
     if (x < kExpLo) return 0.f;
@@ -116,6 +117,10 @@ struct Avx2 {
   static T base(T m) {
     return _mm256_blendv_ps(m, zero(), _mm256_cmp_ps(m, set1(-kInf), _CMP_EQ_OQ));
   }
+  static T outside(T s, T i, T lo, T hi) {  // -inf where key i is outside lo .. hi
+    const T out = _mm256_or_ps(_mm256_cmp_ps(i, lo, _CMP_LT_OQ), _mm256_cmp_ps(i, hi, _CMP_GT_OQ));
+    return _mm256_blendv_ps(s, set1(-kInf), out);
+  }
   static T exp(T x) {
     const T under = _mm256_cmp_ps(x, set1(kExpLo), _CMP_LT_OQ);
     x = _mm256_max_ps(set1(kExpLo), _mm256_min_ps(set1(kExpHi), x));  // NaN stays NaN
@@ -149,6 +154,10 @@ struct Avx512 {
   static float hsum(T v) { return _mm512_reduce_add_ps(v); }
   static T base(T m) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, set1(-kInf), _CMP_EQ_OQ), m, zero());
+  }
+  static T outside(T s, T i, T lo, T hi) {  // -inf where key i is outside lo .. hi
+    const __mmask16 out = _mm512_cmp_ps_mask(i, lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(i, hi, _CMP_GT_OQ);
+    return _mm512_mask_blend_ps(out, s, set1(-kInf));
   }
   static T exp(T x) {
     const __mmask16 under = _mm512_cmp_ps_mask(x, set1(kExpLo), _CMP_LT_OQ);
@@ -193,12 +202,13 @@ inline void key_range(const Args& a, int64_t b, int64_t w, int64_t& lo, int64_t&
 // A task's buffers, per thread. Rows m = (w - w0) * rep + (h % rep) of key head g; Mp
 // rows padded to whole vectors (and to 4, the value kernel's row block).
 struct Work {
-  std::vector<float> q, s, m, l, corr, acc;
+  std::vector<float> q, s, m, l, corr, acc, lof, hif;  // lof/hif: each row's range
   std::vector<int64_t> lo, hi;
+  int64_t lo_max = 0, hi_min = 0;  // every row sees keys lo_max .. hi_min
   std::vector<const float*> kp, vp;
   Work(const Args& a, int64_t mp, int64_t evp)
       : q(a.G * round_up(a.E, 16) * mp), s((kKeyTile + 4) * mp), m(a.G * mp), l(a.G * mp),
-        corr(mp), acc(a.G * mp * evp), lo(kQueryTile), hi(kQueryTile), kp(kKeyTile + 4),
+        corr(mp), acc(a.G * mp * evp), lof(mp), hif(mp), lo(kQueryTile), hi(kQueryTile), kp(kKeyTile + 4),
         vp(kKeyTile + 4) {}
 };
 
@@ -283,6 +293,12 @@ struct Kernel {
         hi_all = std::max(hi_all, s.hi[w - w0]);
       }
     }
+    s.lo_max = *std::max_element(s.lo.begin(), s.lo.begin() + nq);
+    s.hi_min = *std::min_element(s.hi.begin(), s.hi.begin() + nq);
+    for (int64_t m = 0; m < mp; ++m) {  // as floats (exact below 2^24), pad rows: all keys
+      s.lof[m] = m < M ? float(s.lo[m / rep]) : -1e30f;
+      s.hif[m] = m < M ? float(s.hi[m / rep]) : 1e30f;
+    }
     const int64_t qsize = dot ? mp * ep : a.E * mp;  // per key head
     std::fill(s.q.begin(), s.q.begin() + a.G * qsize, 0.f);
     for (int64_t h = 0; h < a.H; ++h) {  // dot: q[g][m][ep]; GEMM: q[g][e][mp] (transposed)
@@ -339,12 +355,12 @@ struct Kernel {
       const float* q = s.q.data() + g * mp * ep;
       for (int64_t j = 0; j < n; ++j) {
         const float* kr = s.kp[j];
+        for (int64_t c = 0; c < mp; c += W) V::store(sc + j * mp + c, V::zero());  // pads
         for (int64_t m = 0; m < M; ++m) {
           T acc = V::zero();
           for (int64_t e = 0; e < ep; e += W) acc = V::fma(V::load(q + m * ep + e), V::loadn(kr + e, a.E - e), acc);
           sc[j * mp + m] = V::hsum(acc);
         }
-        for (int64_t m = M; m < mp; ++m) sc[j * mp + m] = 0.f;
       }
     } else {
       const float* qt = s.q.data() + g * a.E * mp;
@@ -359,11 +375,14 @@ struct Kernel {
         });
       }
     }
-    for (int64_t m = 0; m < M; ++m) {  // the pattern: keys outside a query's range
-      const int64_t lo = s.lo[m / rep], hi = s.hi[m / rep];
-      if (lo <= t0 && hi >= t0 + n - 1) continue;
-      for (int64_t j = 0; j < n; ++j)
-        if (t0 + j < lo || t0 + j > hi) sc[j * mp + m] = -kInf;
+    if (s.lo_max > t0 || s.hi_min < t0 + n - 1) {  // the pattern: keys outside a range
+      for (int64_t j = 0; j < n; ++j) {
+        const T idx = V::set1(float(t0 + j));
+        for (int64_t c = 0; c < mp; c += W) {
+          const T v = V::load(sc + j * mp + c);
+          V::store(sc + j * mp + c, V::outside(v, idx, V::load(s.lof.data() + c), V::load(s.hif.data() + c)));
+        }
+      }
     }
     float* mr = s.m.data() + g * mp;
     float* lr = s.l.data() + g * mp;
