@@ -94,10 +94,11 @@ def _build(name: str) -> str | None:
     if not source.exists():
         return f"the kernel's source {source} is missing"
     flags = " ".join([*_FLAGS, _march()])
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # included ones
     key = hashlib.sha256(
         b"\0".join(
             x.encode() if isinstance(x, str) else x
-            for x in (source.read_bytes(), torch.__version__, flags, cxx, _cpu_flags())
+            for x in (source.read_bytes(), *headers, torch.__version__, flags, cxx, _cpu_flags())
         )
     ).hexdigest()[:16]
     folder = kernel_dir() / f"{name}-{key}"
