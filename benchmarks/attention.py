@@ -67,7 +67,8 @@ def run_cell(backend: str, mask: str, L: int, bwd: bool, reps: int) -> dict[str,
     import torch
     import torch.nn.functional as F
 
-    from attnlab.functional import masks, scaled_dot_product_attention
+    from attnlab import scaled_dot_product_attention
+    from attnlab.functional import masks
 
     if os.environ.get("ATTNLAB_BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["ATTNLAB_BENCH_THREADS"]))
@@ -376,7 +377,7 @@ def write_section(text: str, md: Path) -> None:
 def _timed_call(q, k, v, pattern, is_causal: bool, bwd: bool, name: str) -> float:  # type: ignore[no-untyped-def]
     import torch
 
-    from attnlab.functional import scaled_dot_product_attention
+    from attnlab import scaled_dot_product_attention
 
     t0 = time.perf_counter()
     with torch.set_grad_enabled(bwd):
@@ -489,7 +490,8 @@ def targets(rounds: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from attnlab.functional import masks, scaled_dot_product_attention
+    from attnlab import scaled_dot_product_attention
+    from attnlab.functional import masks
 
     def best(fns: dict, n: int) -> dict[str, float]:
         out = dict.fromkeys(fns, math.inf)

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from attnlab import scaled_dot_product_attention
 from attnlab.backends.call import AttentionCall
 from attnlab.backends.dispatch import attend
 from attnlab.backends.plan import KVView, make_plan
-from attnlab.functional import scaled_dot_product_attention
 
 
 def _per_call(fn: Callable[[], object], calls: int) -> float:

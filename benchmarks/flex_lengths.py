@@ -45,8 +45,8 @@ def _child(peer: str, args: argparse.Namespace) -> None:
     """Run one peer in this process and print its figures as one JSON line."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from attnlab import scaled_dot_product_attention
     from attnlab.functional import masks as M
-    from attnlab.functional import scaled_dot_product_attention
 
     torch.set_num_threads(args.threads)
     pattern = M.sliding_window(args.window - 1)

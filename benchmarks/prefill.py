@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
+from attnlab import scaled_dot_product_attention
 from attnlab.backends import explain
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Prefill, Mistral-shaped (issue 8)"

@@ -174,6 +174,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the server's child, before exec: SIGTERM when this benchmark dies, even by
+    SIGKILL (``PR_SET_PDEATHSIG``; Linux), so no server outlives the run."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class Server:
     """One server process on 127.0.0.1, under ``timeout`` so it stops itself."""
 
@@ -189,6 +197,7 @@ class Server:
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     def wait_ready(self, limit: float) -> float:
@@ -414,6 +423,9 @@ def vllm_threads(log: Path) -> str:
 
 
 def main() -> None:
+    # an outer ``timeout`` (or kill) sends SIGTERM: leave through the ``finally`` that
+    # stops both servers, instead of leaving them up until their own --server-seconds
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=64)

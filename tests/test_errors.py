@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from attnlab import scaled_dot_product_attention as sdpa
 from attnlab.functional import masks
-from attnlab.functional import scaled_dot_product_attention as sdpa
 from attnlab.models import EncoderConfig, EncoderModel
 from attnlab.modules import Embeddings, FeedForward, MultiHeadAttention
 

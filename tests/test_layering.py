@@ -41,9 +41,6 @@ LAYERS = {
 
 #: Upward references that are names, not dependencies of the layer, each with its reason.
 ALLOWED = {
-    # DESIGN.md promises attnlab.functional.scaled_dot_product_attention; the package
-    # resolves that one name on first use (PEP 562), no functional module imports it
-    ("attnlab.functional", "attnlab.backends.api"),
     # a model's generate()/stream() methods are the generation loop's, called on the model
     ("attnlab.models.lm_shell", "attnlab.generation.generate"),
     ("attnlab.models.seq2seq", "attnlab.generation.generate"),
@@ -163,23 +160,37 @@ def test_no_import_cycle_between_packages() -> None:
             assert cycle is None, f"import cycle between packages: {' -> '.join(cycle)}"
 
 
-def test_lazy_attention_name_resolves_in_a_fresh_interpreter() -> None:
-    """``attnlab.functional`` imports none of the backends; its one upward name resolves
-    on first use to the backends' function, and ``from ... import`` works too."""
+def test_public_attention_name_lives_at_the_root() -> None:
+    """``attnlab.functional`` imports none of the backends and no longer names the public
+    call: reading the old name says where it went. The root resolves it on first use to
+    the backends' function, ``from attnlab import ...`` too, and ``import attnlab`` alone
+    loads no torch."""
     code = (
         "import sys\n"
+        "import attnlab\n"
+        "assert 'torch' not in sys.modules\n"
         "import attnlab.functional as F\n"
         "assert 'attnlab.backends' not in sys.modules, sorted(sys.modules)\n"
-        "from attnlab.functional import scaled_dot_product_attention as sdpa\n"
-        "from attnlab.backends.api import scaled_dot_product_attention\n"
-        "assert sdpa is scaled_dot_product_attention is F.scaled_dot_product_attention\n"
-        "assert 'scaled_dot_product_attention' in dir(F)\n"
         "try:\n"
-        "    F.no_such_name\n"
+        "    F.scaled_dot_product_attention\n"
         "except AttributeError as e:\n"
-        "    assert 'no_such_name' in str(e)\n"
+        "    assert 'attnlab.scaled_dot_product_attention' in str(e), e\n"
         "else:\n"
-        "    raise AssertionError('no AttributeError')\n"
+        "    raise AssertionError('the old name still resolves')\n"
+        "assert 'attnlab.backends' not in sys.modules\n"
+        "from attnlab import scaled_dot_product_attention as sdpa\n"
+        "from attnlab.backends.api import scaled_dot_product_attention\n"
+        "import attnlab.backends\n"
+        "assert sdpa is scaled_dot_product_attention is attnlab.scaled_dot_product_attention\n"
+        "assert sdpa is attnlab.backends.scaled_dot_product_attention\n"
+        "assert 'scaled_dot_product_attention' in dir(attnlab)\n"
+        "for mod in (attnlab, F):\n"
+        "    try:\n"
+        "        mod.no_such_name\n"
+        "    except AttributeError as e:\n"
+        "        assert 'no_such_name' in str(e)\n"
+        "    else:\n"
+        "        raise AssertionError('no AttributeError')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
     done = subprocess.run(

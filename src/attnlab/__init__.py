@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from attnlab.backends.api import scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -13,6 +16,7 @@ __all__ = [
     "from_gguf",
     "from_hf",
     "load_embedding_model",
+    "scaled_dot_product_attention",
     "supported_architectures",
     "to_gguf",
     "to_hf",
@@ -114,3 +118,18 @@ def embed(texts: Any, model: Any = None, **kwargs: Any) -> Any:
     ``normalize``, ``show_progress_bar``, ``return_report``).
     """
     return load_embedding_model(model).encode(texts, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # ``attnlab.scaled_dot_product_attention`` is the public attention call: the backends'
+    # entry point (attnlab.backends.api), named here on first use, so ``import attnlab``
+    # stays light (no torch) and no layer below this root imports a higher one.
+    if name == "scaled_dot_product_attention":
+        from attnlab.backends.api import scaled_dot_product_attention
+
+        return scaled_dot_product_attention
+    raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnlab import backends
+from attnlab import backends, scaled_dot_product_attention
 from attnlab.backends import cost_model, explain, use
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional import sdpa_reference
 from attnlab.functional.score_mods import softcap
 
 

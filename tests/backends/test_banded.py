@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import attnlab.backends.sparse as sparse
+from attnlab import scaled_dot_product_attention
 from attnlab.backends import explain
 from attnlab.backends.banded import BAND_BLOCKS, band_pairs, band_plan, choose_band
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional import sdpa_reference
 from attnlab.functional.score_mods import symmetric_alibi
 from attnlab.modules.longformer_attention import longformer_pattern
 

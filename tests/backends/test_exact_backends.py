@@ -14,10 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attnlab import scaled_dot_product_attention
 from attnlab.backends.sparse import sparse_attention
 from attnlab.backends.tiled import tiled_attention
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional import sdpa_reference
 from attnlab.functional.score_mods import alibi, softcap
 
 

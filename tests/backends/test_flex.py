@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab import scaled_dot_product_attention
 from attnlab.backends import explain, flex_masks
 from attnlab.backends import flex as flex_mod
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional import sdpa_reference
 from attnlab.functional.score_mods import alibi, softcap
 
 

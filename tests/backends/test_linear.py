@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab import scaled_dot_product_attention
 from attnlab.backends import explain
 from attnlab.backends.linear import linear_attention
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention
 from attnlab.functional.linear_attention import linear_attention_reference
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from attnlab import backends
+from attnlab import scaled_dot_product_attention as sdpa
 from attnlab.backends import AttentionCall, choose_call
 from attnlab.backends.paged import BlockTable, paged_attention
 from attnlab.cache import PagedKVPool
-from attnlab.functional import scaled_dot_product_attention as sdpa
 from attnlab.functional.masks import causal, padding, sliding_window
 from attnlab.functional.score_mods import alibi
 

@@ -14,11 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attnlab import scaled_dot_product_attention
 from attnlab.backends import AttentionCall, dispatch_trusted, explain
 from attnlab.backends.sparse import sparse_attention
 from attnlab.backends.tiled import tiled_attention
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional import sdpa_reference
 from attnlab.functional.positions import alibi_slopes, t5_relative_position_bucket
 from attnlab.functional.score_mods import alibi, softcap, t5_bias
 from attnlab.modules.positions import T5RelativePositionBias

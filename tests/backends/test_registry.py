@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attnlab import backends
+from attnlab import scaled_dot_product_attention as sdpa
 from attnlab.functional import masks
-from attnlab.functional import scaled_dot_product_attention as sdpa
 from attnlab.functional.score_mods import softcap
 
 

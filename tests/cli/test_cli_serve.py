@@ -82,3 +82,13 @@ def test_auto_engine_cpus_leaves_a_cpu_to_http() -> None:
         assert auto_engine_cpus(1) == have[:1]
     assert cpu_list("none") is None and cpu_list("auto") == "auto"
     assert cpu_list(f"{have[0]}") == [have[0]]
+
+
+def test_serve_refuses_engine_cpus_without_the_engine_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # checked with the other flags: one line, before "loading ..." (tmp_path holds no model)
+    assert main(["serve", str(tmp_path), "--engine-cpus", "0", "--no-engine-process"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and not err.startswith("loading") and "Traceback" not in err
+    assert "--engine-cpus 0 needs --engine-process" in err

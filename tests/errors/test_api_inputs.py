@@ -162,7 +162,7 @@ def test_recurrent_inputs_are_named(i: int) -> None:
 
 
 def test_masks_and_dtypes_are_named_before_the_kernels() -> None:
-    from attnlab.functional import scaled_dot_product_attention as sdpa
+    from attnlab import scaled_dot_product_attention as sdpa
     from attnlab.modules import MultiHeadAttention
 
     q = torch.randn(1, 2, 3, 4)

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab import scaled_dot_product_attention as sdpa
 from attnlab.analysis import advise, estimate
-from attnlab.functional import scaled_dot_product_attention as sdpa
 from attnlab.functional.positions import rope_inv_freq
 from attnlab.functional.sampling import check_sampling
 from attnlab.models import DecoderConfig, EncoderConfig, Seq2SeqConfig

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab.functional import scaled_dot_product_attention as sdpa
+from attnlab import scaled_dot_product_attention as sdpa
 from attnlab.functional import sdpa_reference
 
 TOL = {

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab import scaled_dot_product_attention as sdpa
 from attnlab.functional import masks
-from attnlab.functional import scaled_dot_product_attention as sdpa
 
 
 def _grid(L: int, S: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

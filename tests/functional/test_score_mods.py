@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnlab import scaled_dot_product_attention
 from attnlab.functional import masks as M
-from attnlab.functional import scaled_dot_product_attention, sdpa_reference
+from attnlab.functional import sdpa_reference
 from attnlab.functional.score_mods import alibi, alibi_slopes, softcap
 
 

@@ -3,8 +3,11 @@ BPE tokenizer trained here on the standard library's source, saved as transforme
 
 from __future__ import annotations
 
+import random
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,3 +65,70 @@ def build_model_dir(folder: Path, *, family: str = "llama", vocab: int = 384) ->
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    """The tiny folder's tokenizer, loaded once (the serving tests only read it)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _prefix_prompts(
+    rng: random.Random, vocab: int, *, shared: int, count: int, lengths: tuple[int, int]
+) -> list[list[int]]:
+    """``count`` random prompts, about 60% of them behind one shared prefix of ``shared``
+    tokens (prefix-cache hits), each with ``randrange(*lengths)`` tokens of its own."""
+    head = [rng.randrange(vocab) for _ in range(shared)]
+    return [
+        (head if rng.random() < 0.6 else [])
+        + [rng.randrange(vocab) for _ in range(rng.randrange(*lengths))]
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture(scope="session")
+def prefix_prompts() -> Callable[..., list[list[int]]]:
+    """The request mixes of the engine tests: ``prefix_prompts(rng, vocab, shared=,
+    count=, lengths=)``."""
+    return _prefix_prompts
+
+
+def _greedy_params(rng: random.Random, count: int, max_tokens: tuple[int, int]) -> list[Any]:
+    """Greedy ``SamplingParams`` (``ignore_eos``) with ``randrange(*max_tokens)`` tokens;
+    every third request asks for ``n=2`` (a fork)."""
+    from attnlab.serving import SamplingParams
+
+    return [
+        SamplingParams(
+            max_tokens=rng.randrange(*max_tokens),
+            temperature=0.0,
+            ignore_eos=True,
+            n=1 + (i % 3 == 0),
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="session")
+def greedy_params() -> Callable[..., list[Any]]:
+    """``greedy_params(rng, count, max_tokens=(lo, hi))``: see :func:`_greedy_params`."""
+    return _greedy_params
+
+
+def _small_engine(model: Any, tokenizer: Any, **kw: Any) -> Any:
+    # 16 blocks of 4 tokens cannot hold every running sequence: preemption is forced;
+    # 16 tokens a step chunk the prompts
+    from attnlab.serving import Engine
+
+    settings: dict[str, Any] = dict(
+        num_blocks=16, block_size=4, max_num_batched_tokens=16, max_model_len=160
+    )
+    return Engine(model, tokenizer, **{**settings, **kw})
+
+
+@pytest.fixture(scope="session")
+def small_engine() -> Callable[..., Any]:
+    """``small_engine(model, tokenizer, **overrides)``: an engine that preempts and chunks."""
+    return _small_engine

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.recurrent import MambaLM
 from attnlab.models.recurrent_config import MambaConfig
-from attnlab.serving import Engine, SamplingParams
+from attnlab.serving import Engine
 from attnlab.serving.decode_buckets import (
     DecodeBuckets,
     bucket_refusal,
@@ -33,13 +32,6 @@ COMMON = dict(
     intermediate_size=64,
     max_position_embeddings=128,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def _staggered(engine: Engine, prompts: list, params: list, every: int) -> dict:
@@ -59,7 +51,7 @@ def _staggered(engine: Engine, prompts: list, params: list, every: int) -> dict:
 
 
 def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
-    tokenizer: Any,
+    tokenizer: Any, prefix_prompts: Any, greedy_params: Any
 ) -> None:
     # the one compiled test (a decode bucket and a prefill bucket, ~20-40 s of compiling):
     # Mistral's window frees blocks behind it, so the kernel's first live block comes from
@@ -68,16 +60,8 @@ def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.mistral(sliding_window=16, **COMMON)).eval()
     rng = random.Random(1)
-    shared = [rng.randrange(384) for _ in range(10)]
-    prompts = [
-        (shared if rng.random() < 0.5 else [])
-        + [rng.randrange(384) for _ in range(rng.randrange(1, 22))]
-        for _ in range(9)
-    ]
-    params = [
-        SamplingParams(max_tokens=rng.randrange(4, 12), temperature=0.0, ignore_eos=True, n=1 + (i % 3 == 0))
-        for i in range(len(prompts))
-    ]  # fmt: skip
+    prompts = prefix_prompts(rng, 384, shared=10, count=9, lengths=(1, 22))
+    params = greedy_params(rng, len(prompts), max_tokens=(4, 12))
     engine = Engine(model, tokenizer, num_blocks=12, block_size=4, max_num_batched_tokens=16)
     buckets = engine.runner.compile_buckets((4,), max_model_len=64)
     prefill = engine.runner.compile_prefill((4,), max_model_len=64, max_tokens=16)

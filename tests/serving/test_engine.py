@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,13 +30,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def _model(family: str) -> DecoderLM:
     torch.manual_seed(0)
     return DecoderLM(FAMILIES[family]()).eval()
@@ -50,22 +42,12 @@ def _reference(model: DecoderLM, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_greedy_equals_generate_with_prefix_hits_forks_and_preemption(
-    family: str, tokenizer: Any
+    family: str, tokenizer: Any, prefix_prompts: Any, greedy_params: Any
 ) -> None:
     model = _model(family)
     rng = random.Random(1)
-    shared = [rng.randrange(384) for _ in range(10)]
-    prompts = [
-        (shared if rng.random() < 0.6 else [])
-        + [rng.randrange(384) for _ in range(rng.randrange(1, 14))]
-        for _ in range(7)
-    ]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randrange(2, 9), temperature=0.0, ignore_eos=True, n=1 + (i % 3 == 0)
-        )
-        for i in range(len(prompts))
-    ]
+    prompts = prefix_prompts(rng, 384, shared=10, count=7, lengths=(1, 14))
+    params = greedy_params(rng, len(prompts), max_tokens=(2, 9))
     # 12 blocks of 4 tokens cannot hold all running sequences: preemption is forced
     engine = Engine(model, tokenizer, num_blocks=12, block_size=4, max_num_batched_tokens=16)
     results = engine.generate(prompts, params)

@@ -10,7 +10,6 @@ budget that chunks the prompts) must produce exactly its tokens.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ from attnlab.models.layout import LayerSpec, MambaLayerConfig
 from attnlab.models.linear_layout import LinearLayerConfig
 from attnlab.models.recurrent import RWKVLM, MambaLM, RetNetLM
 from attnlab.models.recurrent_config import MambaConfig, RetNetConfig, RWKVConfig
-from attnlab.serving import Engine, SamplingParams
+from attnlab.serving import Engine
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 
 V = 384
@@ -84,29 +83,14 @@ def _greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
 @pytest.mark.parametrize("name", list(BUILD))
-def test_flat_serving_equals_the_uncached_forward(name: str, tokenizer: Any) -> None:
+def test_flat_serving_equals_the_uncached_forward(
+    name: str, tokenizer: Any, prefix_prompts: Any, greedy_params: Any
+) -> None:
     model = _model(name)
     rng = random.Random(sum(map(ord, name)))
-    shared = [rng.randrange(V) for _ in range(9)]
-    prompts = [
-        (shared if rng.random() < 0.6 else [])
-        + [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
-        for _ in range(6)
-    ]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randrange(4, 11), temperature=0.0, ignore_eos=True, n=1 + (i % 3 == 0)
-        )
-        for i in range(len(prompts))
-    ]
+    prompts = prefix_prompts(rng, V, shared=9, count=6, lengths=(1, 12))
+    params = greedy_params(rng, len(prompts), max_tokens=(4, 11))
     # 8 blocks of 4 tokens cannot hold every running sequence: preemption is forced
     engine = Engine(
         model, tokenizer, num_blocks=8, block_size=4, max_num_batched_tokens=16, max_model_len=128

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,13 +20,6 @@ from attnlab.models.recurrent_config import MambaConfig
 from attnlab.serving import Engine, SamplingParams
 
 V = 384
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def _alone(model: DecoderLM, prompt: list[int], n: int, kv_dtype: str) -> list[int]:

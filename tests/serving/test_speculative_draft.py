@@ -56,46 +56,15 @@ def _first_layers(model: DecoderLM, layers: int) -> DecoderLM:
     return draft
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def _mix(seed: int, count: int = 6) -> list[list[int]]:
-    """Prompts that share a prefix (prefix-cache hits)."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(V) for _ in range(9)]
-    return [
-        (shared if rng.random() < 0.6 else [])
-        + [rng.randrange(V) for _ in range(rng.randrange(3, 9))]
-        for _ in range(count)
-    ]
-
-
-def _engine(model: nn.Module, tokenizer: Any, **kw: Any) -> Engine:
-    # 16 blocks of 4 tokens cannot hold every running sequence: preemption is forced;
-    # 16 tokens a step chunk the prompts
-    settings: dict[str, Any] = dict(
-        num_blocks=16, block_size=4, max_num_batched_tokens=16, max_model_len=160
-    )
-    return Engine(model, tokenizer, **{**settings, **kw})
-
-
 @pytest.mark.parametrize("layers", [1, 3])
-def test_greedy_with_a_draft_model_equals_offline_generate(layers: int, tokenizer: Any) -> None:
+def test_greedy_with_a_draft_model_equals_offline_generate(
+    layers: int, tokenizer: Any, prefix_prompts: Any, greedy_params: Any, small_engine: Any
+) -> None:
     model = _target()
     draft = _first_layers(model, layers)  # 3 layers: the model itself, every draft kept
-    rng = random.Random(layers)
-    prompts = _mix(layers)
-    params = [
-        SamplingParams(
-            max_tokens=rng.randrange(20, 41), temperature=0.0, ignore_eos=True, n=1 + (i % 3 == 0)
-        )
-        for i in range(len(prompts))
-    ]
-    engine = _engine(
+    prompts = prefix_prompts(random.Random(layers), V, shared=9, count=6, lengths=(3, 9))
+    params = greedy_params(random.Random(layers), len(prompts), max_tokens=(20, 41))
+    engine = small_engine(
         model, tokenizer, speculative="draft", draft_model=draft, num_speculative_tokens=3
     )
     results = engine.generate(prompts, params)
@@ -114,10 +83,12 @@ def test_greedy_with_a_draft_model_equals_offline_generate(layers: int, tokenize
     assert m.generation_tokens == sum(p.max_tokens * p.n for p in params)
 
 
-def test_sampled_requests_with_a_draft_model_run_and_repeat_with_a_seed(tokenizer: Any) -> None:
+def test_sampled_requests_with_a_draft_model_run_and_repeat_with_a_seed(
+    tokenizer: Any, prefix_prompts: Any, small_engine: Any
+) -> None:
     model = _target()
     draft = _first_layers(model, 1)
-    prompts = _mix(3, count=4)
+    prompts = prefix_prompts(random.Random(3), V, shared=9, count=4, lengths=(3, 9))
     params = [
         SamplingParams(max_tokens=25, temperature=0.8, seed=1, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=25, temperature=0.5, top_k=8, seed=2, frequency_penalty=0.4),
@@ -126,7 +97,7 @@ def test_sampled_requests_with_a_draft_model_run_and_repeat_with_a_seed(tokenize
     ]
     runs = []
     for _ in range(2):
-        engine = _engine(
+        engine = small_engine(
             model, tokenizer, speculative="draft", draft_model=draft, num_speculative_tokens=3
         )
         runs.append(engine.generate(prompts, params))

@@ -50,13 +50,6 @@ def _model(name: str) -> nn.Module:
     return BUILD[name]().eval()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def _mix(seed: int, count: int = 6) -> list[list[int]]:
     """Prompts that share a prefix (cache hits) and repeat spans of themselves (drafts)."""
     rng = random.Random(seed)
@@ -69,17 +62,10 @@ def _mix(seed: int, count: int = 6) -> list[list[int]]:
     return prompts
 
 
-def _engine(model: nn.Module, tokenizer: Any, **kw: Any) -> Engine:
-    # 16 blocks of 4 tokens cannot hold every running sequence: preemption is forced;
-    # 16 tokens a step chunk the prompts
-    settings: dict[str, Any] = dict(
-        num_blocks=16, block_size=4, max_num_batched_tokens=16, max_model_len=160
-    )
-    return Engine(model, tokenizer, **{**settings, **kw})
-
-
 @pytest.mark.parametrize("name", list(BUILD))
-def test_speculative_greedy_equals_offline_generate(name: str, tokenizer: Any) -> None:
+def test_speculative_greedy_equals_offline_generate(
+    name: str, tokenizer: Any, small_engine: Any
+) -> None:
     model = _model(name)
     rng = random.Random(7)
     prompts = _mix(sum(map(ord, name)))
@@ -89,7 +75,7 @@ def test_speculative_greedy_equals_offline_generate(name: str, tokenizer: Any) -
         )
         for i in range(len(prompts))
     ]
-    engine = _engine(model, tokenizer, speculative="prompt_lookup", num_speculative_tokens=4)
+    engine = small_engine(model, tokenizer, speculative="prompt_lookup", num_speculative_tokens=4)
     results = engine.generate(prompts, params)
     for prompt, p, choices in zip(prompts, params, results, strict=True):
         ref = model.generate(torch.tensor([prompt]), p.max_tokens, compile=False)
@@ -107,12 +93,14 @@ def test_speculative_greedy_equals_offline_generate(name: str, tokenizer: Any) -
     assert m.generation_tokens == sum(p.max_tokens * p.n for p in params)
 
 
-def test_speculative_on_the_int8_pool_equals_plain_decoding(tokenizer: Any) -> None:
+def test_speculative_on_the_int8_pool_equals_plain_decoding(
+    tokenizer: Any, small_engine: Any
+) -> None:
     model = _model("llama")
     prompts = _mix(11)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    plain = _engine(model, tokenizer, kv_dtype="int8").generate(prompts, params)
-    engine = _engine(
+    plain = small_engine(model, tokenizer, kv_dtype="int8").generate(prompts, params)
+    engine = small_engine(
         model, tokenizer, kv_dtype="int8", speculative="prompt_lookup", num_speculative_tokens=3
     )
     spec = engine.generate(prompts, params)
@@ -120,7 +108,9 @@ def test_speculative_on_the_int8_pool_equals_plain_decoding(tokenizer: Any) -> N
     assert 0 < engine.metrics.spec_accepted_tokens < engine.metrics.spec_draft_tokens
 
 
-def test_seeded_sampling_draws_the_same_tokens_with_speculation(tokenizer: Any) -> None:
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(
+    tokenizer: Any, small_engine: Any
+) -> None:
     """A seeded request's generator is rewound to the kept positions: every token and
     logprob equals plain decoding's (penalties and min_tokens see the drafts before each
     position as output)."""
@@ -134,8 +124,8 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tokenizer: Any) 
         SamplingParams(max_tokens=30, temperature=0.5, top_p=0.8, seed=5, min_tokens=25),
         SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3),
     ]
-    plain = _engine(model, tokenizer).generate(prompts, params)
-    engine = _engine(model, tokenizer, speculative="prompt_lookup", num_speculative_tokens=4)
+    plain = small_engine(model, tokenizer).generate(prompts, params)
+    engine = small_engine(model, tokenizer, speculative="prompt_lookup", num_speculative_tokens=4)
     spec = engine.generate(prompts, params)
     for a, b in zip(plain, spec, strict=True):
         assert [c.token_ids for c in a] == [c.token_ids for c in b]
@@ -150,10 +140,10 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tokenizer: Any) 
     assert 0 < engine.metrics.spec_accepted_tokens < engine.metrics.spec_draft_tokens
 
 
-def test_stop_strings_and_eos_inside_accepted_drafts(tokenizer: Any) -> None:
+def test_stop_strings_and_eos_inside_accepted_drafts(tokenizer: Any, small_engine: Any) -> None:
     model = _model("llama")
     prompts = _mix(9, count=4)
-    plain = _engine(model, tokenizer).generate(
+    plain = small_engine(model, tokenizer).generate(
         prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     )
     # stop at a piece of text each greedy output reaches, and end one by a stop token
@@ -163,8 +153,10 @@ def test_stop_strings_and_eos_inside_accepted_drafts(tokenizer: Any) -> None:
         SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[plain[1][0].token_ids[15]]),
     ]
     for p in params:
-        want = _engine(model, tokenizer).generate(prompts, p)
-        engine = _engine(model, tokenizer, speculative="prompt_lookup", num_speculative_tokens=4)
+        want = small_engine(model, tokenizer).generate(prompts, p)
+        engine = small_engine(
+            model, tokenizer, speculative="prompt_lookup", num_speculative_tokens=4
+        )
         got = engine.generate(prompts, p)
         assert [(c[0].token_ids, c[0].text, c[0].finish_reason) for c in got] == [
             (c[0].token_ids, c[0].text, c[0].finish_reason) for c in want
@@ -203,7 +195,7 @@ def test_ngram_index_drafts_what_prompt_lookup_drafts() -> None:
             assert index.draft(tokens, k) == prompt_lookup(tokens, max_ngram=3, num_draft=k)
 
 
-def test_speculative_settings_are_checked(tokenizer: Any) -> None:
+def test_speculative_settings_are_checked(tokenizer: Any, small_engine: Any) -> None:
     model = _model("llama")
     with pytest.raises(ValueError, match="speculative must be None or one of"):
         Engine(model, tokenizer, speculative="medusa")
@@ -216,7 +208,7 @@ def test_speculative_settings_are_checked(tokenizer: Any) -> None:
     # without max_model_len a recurrent model's config gives no context: named, not deep
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(mamba, tokenizer)
-    engine = _engine(model, tokenizer, speculative="prompt_lookup")
+    engine = small_engine(model, tokenizer, speculative="prompt_lookup")
     engine.generate(_mix(2, count=2), SamplingParams(max_tokens=20, temperature=0.0))
     text = engine.metrics.prometheus(cache_hit_rate=0.0, blocks_free=0)
     assert f"attnlab_spec_draft_tokens_total {engine.metrics.spec_draft_tokens}" in text

@@ -1,8 +1,8 @@
 """The public attention call: validate once, choose a backend, run it.
 
-:func:`scaled_dot_product_attention` is the entry users call (promised by DESIGN.md as
-``attnlab.functional.scaled_dot_product_attention``, which names this function). It
-sits above the backends, so the reference math in :mod:`attnlab.functional` never
+:func:`scaled_dot_product_attention` is the entry users call, named at the package root
+as ``attnlab.scaled_dot_product_attention`` (and ``attnlab.backends.scaled_dot_product_attention``).
+It sits above the backends, so the reference math in :mod:`attnlab.functional` never
 imports the layer that dispatches it.
 """
 

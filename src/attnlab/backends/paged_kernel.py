@@ -8,9 +8,16 @@ batch first, which on a CPU costs more than the attention itself (a 32-stream de
 step of the serving benchmark spent 36% of its time in that copy). This backend hands
 the pool, the block tables and the queries to a small C++ kernel
 (``csrc/paged_attention.cpp``, built and cached by :mod:`attnlab.backends.native`) that
-walks each row's blocks in place with an online softmax (Dao et al., 2022), parallel
-over (row, key/value head, tile of 16 queries) on torch's intra-op threads: the keys
-are read once, nothing is copied and no score matrix is built.
+walks each row's keys in place, 32 at a time, with an online softmax (Dao et al., 2022),
+parallel over (row, tile of 16 queries) on torch's intra-op threads: the keys are read
+once, nothing is copied and no score matrix is built. All query heads of a key/value
+head (GQA's group) and all queries of the tile share each key it loads: a tile's scores
+are a small register-blocked GEMM (or, for a decode step's few rows, one dot product per
+key and row), the softmax runs across the rows in SIMD lanes with a polynomial ``exp``
+(about 1 ulp) and one rescale per 32 keys, and the values are added as another small
+GEMM. The same code is built for AVX-512, AVX2+FMA and scalar floats, whichever
+``-march`` allows, and the widest runs (``tests/backends/test_paged_kernel_simd.py``
+checks each against float64).
 
 What it runs: float32 on the CPU, inference (no gradient, dropout or weights), the
 causal pattern or a causal sliding window (``causal()``, ``sliding_window(w)``, or both

@@ -51,7 +51,7 @@ def attention_weights(
         query: ``[B.., H, L, E]``.
         key: ``[B.., H_kv, S, E]``.
         attn_mask: dense mask or pattern, as for
-            :func:`attnlab.functional.scaled_dot_product_attention`.
+            :func:`attnlab.scaled_dot_product_attention`.
         is_causal: causal mask (top-left).
         scale: score scale (default ``1/sqrt(E)``).
         enable_gqa: allow ``H_kv < H``.

@@ -278,6 +278,13 @@ SINK_REFUSAL = (
 def run(args: argparse.Namespace) -> int:
     if args.sink_window is not None:
         raise ValueError(SINK_REFUSAL)
+    if isinstance(args.engine_cpus, list) and not args.engine_process:
+        # checked with the other flags, before anything loads or binds
+        raise ValueError(
+            f"--engine-cpus {','.join(map(str, args.engine_cpus))} needs --engine-process "
+            "(the engine's own process); with --no-engine-process the engine is a thread "
+            "of the HTTP process"
+        )
     try:
         import uvicorn
 
@@ -416,8 +423,6 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             cpus = auto_engine_cpus(threads)
         proc = EngineProcess(factory, threads=threads, cpus=cpus)
         return proc, dict(proc.info)
-    if isinstance(args.engine_cpus, list):
-        raise ValueError("--engine-cpus needs --engine-process (the engine's own process)")
     from attnlab.serving.async_engine import AsyncEngine
     from attnlab.serving.engine_core import engine_facts
 

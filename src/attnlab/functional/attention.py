@@ -1,7 +1,7 @@
 """Scaled dot-product attention: the reference math.
 
-The public entry point, :func:`attnlab.functional.scaled_dot_product_attention`, sits
-above the backends (:mod:`attnlab.backends.api`): this module never imports them.
+The public entry point, :func:`attnlab.scaled_dot_product_attention`, is defined above
+the backends (:mod:`attnlab.backends.api`): this module never imports them.
 
 Shape notation: ``B`` batch dims, ``H`` query heads, ``H_kv`` key/value heads,
 ``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head dim.

@@ -4,7 +4,7 @@ Shape notation: ``B`` batch, ``L`` query length, ``S`` key length, ``D`` model
 width, ``H`` query heads, ``H_kv`` key/value heads, ``h_d`` head dim.
 
 The module owns the projections; the attention itself is
-:func:`attnlab.functional.scaled_dot_product_attention`, run on the backend the
+:func:`attnlab.scaled_dot_product_attention`, run on the backend the
 module was given (``"auto"`` by default). Variants are chosen by arguments, not
 flags: ``num_kv_heads == num_heads`` is multi-head attention (Vaswani et al., 2017),
 ``1 < num_kv_heads < num_heads`` grouped-query attention (Ainslie et al., 2023),

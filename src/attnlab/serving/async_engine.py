@@ -22,6 +22,7 @@ from typing import Any
 
 from attnlab.serving.engine import Engine, QueueFull, RequestOutput
 from attnlab.serving.engine_core import metrics_text
+from attnlab.serving.outputs import read_stream
 from attnlab.serving.params import SamplingParams
 
 __all__ = ["AsyncEngine"]
@@ -161,18 +162,12 @@ class AsyncEngine:
         with self._lock:
             self._queued += 1
         self._inbox.put(("add", (request_id, prompt, params)))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
+
+        def close(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished:
                 self._inbox.put(("abort", request_id))
+
+        async with contextlib.aclosing(read_stream(q, close)) as stream:
+            async for item in stream:
+                yield item

@@ -44,12 +44,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.backends.plan import BlockTable, SequenceLayout
+from attnlab.backends.plan import BlockTable
 from attnlab.cache.paged.manager import SeqId
 from attnlab.cache.paged.pool import PagedKVPool
 from attnlab.generation.sampler import sampling_probs, speculative_verify, token_logprobs
-from attnlab.models.flat import FlatBatch
-from attnlab.serving.runner import layer_specs, pool_for
+from attnlab.serving.runner import FlatRow, flat_inputs, layer_specs, pool_for
 from attnlab.serving.step_sampling import RowResult, row_sampling
 
 __all__ = ["DraftRunner", "load_draft_model", "verify_sampled"]
@@ -216,47 +215,18 @@ class DraftRunner:
         from position ``start``; logits ``[n_s, V]`` of each row's last token."""
         m, bs = self.manager, self.manager.block_size
         dev = self.pool.storage.device
-        ids: list[int] = []
-        pos: list[int] = []
-        write: list[int] = []
-        last: list[int] = []
-        tables: list[list[int]] = []
-        totals: list[int] = []
-        for sid, start, toks in rows:
-            blocks = m._seq(sid).blocks
-            ids += toks
-            pos += range(start, start + len(toks))
-            write += [blocks[p // bs] * bs + p % bs for p in range(start, start + len(toks))]
-            last.append(len(ids) - 1)
-            tables.append(blocks)
-            totals.append(start + len(toks))
-        nb = max(len(tb) for tb in tables)
-        table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long)
-        blocks_t = BlockTable(
+        spans: list[FlatRow] = [(start, toks, m._seq(sid).blocks) for sid, start, toks in rows]
+        nb = max(len(b) for _, _, b in spans)
+        table = torch.tensor([[*b] + [0] * (nb - len(b)) for _, _, b in spans], dtype=torch.long)
+        blocks = BlockTable(
             table=table.to(dev),
             block_size=bs,
-            lengths=tuple(totals),
+            lengths=tuple(start + len(toks) for start, toks, _ in spans),
             offsets=(0,) * len(rows),
             first_block=(0,) * len(rows),
         )
-        layout = SequenceLayout.from_lengths(
-            [len(t) for _, _, t in rows],
-            blocks=blocks_t,
-            fresh=[start == 0 for _, start, _ in rows],
-            device=dev,
-        )
-
-        def t(x: list[int]) -> Tensor:
-            return torch.tensor(x, dtype=torch.long, device=dev)
-
-        flat = FlatBatch(
-            positions=t(pos)[None],
-            layout=layout,
-            last=t(last),
-            blocks=blocks_t,
-            write_slots=t(write),
-        )
-        out: Tensor = self.model.forward_flat(t(ids)[None], flat, self.cache)  # type: ignore[operator]
+        ids, flat = flat_inputs(spans, block_size=bs, blocks=blocks, device=dev)
+        out: Tensor = self.model.forward_flat(ids, flat, self.cache)  # type: ignore[operator]
         return out
 
 

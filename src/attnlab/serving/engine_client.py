@@ -24,7 +24,7 @@ from typing import Any
 
 from attnlab.serving.engine_core import EngineFactory
 from attnlab.serving.lifecycle import QueueFull
-from attnlab.serving.outputs import RequestOutput
+from attnlab.serving.outputs import RequestOutput, read_stream
 from attnlab.serving.params import ParamError, SamplingParams
 from attnlab.serving.validation import validate_request
 
@@ -256,22 +256,16 @@ class EngineProcess:
         self._streams[request_id] = q
         self._queued += 1
         self._send(("add", request_id, list(prompt), params, source))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
+
+        def close(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished and self.alive:
                 with contextlib.suppress(RuntimeError):
                     self._send(("abort", request_id))
+
+        async with contextlib.aclosing(read_stream(q, close)) as stream:
+            async for item in stream:
+                yield item
 
 
 def _without_grammar(params: SamplingParams) -> SamplingParams:

@@ -9,7 +9,8 @@ runs, the sampler extends and the output processor turns into text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,15 @@ import torch
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.params import SamplingParams
 
-__all__ = ["CompletionDelta", "Request", "RequestOutput", "Seq", "TokenLogprob", "run_offline"]
+__all__ = [
+    "CompletionDelta",
+    "Request",
+    "RequestOutput",
+    "Seq",
+    "TokenLogprob",
+    "read_stream",
+    "run_offline",
+]
 
 
 @dataclass
@@ -173,3 +182,29 @@ def run_offline(
         [acc[i] for i in sorted(acc)]
         for acc in (results[f"{base}{j}"] for j in range(len(prompts)))
     ]
+
+
+async def read_stream(
+    q: asyncio.Queue[Any], on_close: Callable[[bool], None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """Yield one request's outputs from its queue, up to and including the finished one.
+
+    An exception put on the queue is raised. ``on_close(finished)`` runs however the
+    iteration ends: ``finished`` is False when the consumer left early (a dropped client),
+    so the caller aborts the request and frees its blocks. Both engine front ends (the
+    in-process :class:`~attnlab.serving.async_engine.AsyncEngine` and the
+    :class:`~attnlab.serving.engine_client.EngineProcess` client) stream through it.
+    """
+    finished = False
+    try:
+        while True:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        on_close(finished)

@@ -34,7 +34,65 @@ from attnlab.models.flat import FlatBatch
 from attnlab.serving.decode_buckets import DEFAULT_SIZES, DecodeBuckets
 from attnlab.serving.step_buckets import DEFAULT_ROWS, PrefillBuckets
 
-__all__ = ["ModelRunner", "layer_specs", "pool_for"]
+__all__ = ["FlatRow", "ModelRunner", "flat_inputs", "layer_specs", "pool_for"]
+
+#: One row of a flat step: ``(start, tokens, blocks)``: ``tokens`` run from position
+#: ``start`` of a sequence whose KV lives in ``blocks`` (its block ids, in order).
+FlatRow = tuple[int, Sequence[int], Sequence[int]]
+
+
+def flat_inputs(
+    rows: Sequence[FlatRow],
+    *,
+    block_size: int,
+    blocks: BlockTable | None,
+    keep: Sequence[int] | None = None,
+    state_slots: Tensor | None = None,
+    device: torch.device,
+) -> tuple[Tensor, FlatBatch]:
+    """``(input_ids [1, N], FlatBatch)`` of explicit rows, one forward's flat batch.
+
+    Args:
+        rows: each row's ``(start, tokens, blocks)``.
+        block_size: tokens per KV block.
+        blocks: the step's block tables (None for a model without attention layers: no
+            KV is written).
+        keep: how many of row ``i``'s last tokens give logits (default 1).
+        state_slots: long ``[n_s]``, each row's recurrent state slot (or None).
+        device: where the tensors go.
+    """
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    write: list[int] = []
+    last: list[int] = []
+    for r, (start, toks, seq_blocks) in enumerate(rows):
+        n = len(toks)
+        ids += toks
+        pos += range(start, start + n)
+        if blocks is not None:
+            write += [seq_blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+        k = 1 if keep is None else keep[r]
+        last += range(len(ids) - k, len(ids))
+    layout = SequenceLayout.from_lengths(
+        [len(toks) for _, toks, _ in rows],
+        blocks=blocks,
+        fresh=[start == 0 for start, _, _ in rows],
+        device=device,
+    )
+
+    def t(x: list[int]) -> Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    flat = FlatBatch(
+        positions=t(pos)[None],
+        layout=layout,
+        last=t(last),
+        blocks=blocks,
+        write_slots=t(write) if blocks is not None else None,
+        state_slots=state_slots,
+    )
+    return t(ids)[None], flat
 
 
 def layer_specs(model: nn.Module) -> list[str]:
@@ -187,43 +245,24 @@ class ModelRunner:
     ) -> tuple[Tensor, FlatBatch]:
         """``(input_ids [1, N], FlatBatch)`` of a step's rows (reserved in the manager);
         ``keep[i]``: how many of row ``i``'s last tokens give logits (default 1)."""
-        m, bs = self.manager, self.manager.block_size
-        dev = self.pool.storage.device
-        ids: list[int] = []
-        pos: list[int] = []
-        write: list[int] = []
-        last: list[int] = []
+        m, dev = self.manager, self.pool.storage.device
+        spans: list[FlatRow] = []
         totals: list[int] = []
-        fresh: list[bool] = []
         first: list[int] = []
-        for r, (sid, n) in enumerate(rows):
+        for sid, n in rows:
             s = m._seq(sid)
-            start = s.computed
-            ids += s.tokens[start : start + n]
-            pos += range(start, start + n)
-            write += [s.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
-            k = 1 if keep is None else keep[r]
-            last += range(len(ids) - k, len(ids))
-            totals.append(start + n)
-            fresh.append(start == 0)
+            spans.append((s.computed, s.tokens[s.computed : s.computed + n], s.blocks))
+            totals.append(s.computed + n)
             first.append(s.first_live)
         blocks = self._blocks(rows, totals, first, dev) if self.has_kv else None
-        lengths = [n for _, n in rows]
-        layout = SequenceLayout.from_lengths(lengths, blocks=blocks, fresh=fresh, device=dev)
-
-        def t(x: list[int]) -> Tensor:
-            return torch.tensor(x, dtype=torch.long, device=dev)
-
-        state = t([self.slots.slot(sid) for sid, _ in rows]) if self.has_state else None
-        flat = FlatBatch(
-            positions=t(pos)[None],
-            layout=layout,
-            last=t(last),
-            blocks=blocks,
-            write_slots=t(write) if self.has_kv else None,
-            state_slots=state,
+        state = (
+            torch.tensor([self.slots.slot(sid) for sid, _ in rows], dtype=torch.long, device=dev)
+            if self.has_state
+            else None
         )
-        return t(ids)[None], flat
+        return flat_inputs(
+            spans, block_size=m.block_size, blocks=blocks, keep=keep, state_slots=state, device=dev
+        )
 
     def _blocks(
         self,
