@@ -55,15 +55,28 @@ def test_activation_blocks_follow_llamacpp() -> None:
     assert torch.equal(d, (x.reshape(3, 4, 32).abs().amax(-1) / 127).half().float())
 
 
+def _q8(op: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None,
+        g: int) -> torch.Tensor:  # fmt: skip
+    """The row kernel (``qgemv_q8``) or the tiled one (``qgemv_q8t`` over ``tile_weights``)."""
+    if op == "rows":
+        return qc.qgemv_q8(x, q, s, m, g)
+    why = qc.tiled_unavailable()
+    if why is not None:  # an AVX2 or scalar build: the row kernel alone runs
+        pytest.skip(why)
+    w, st, mt = qc.tile_weights(q, s, m, g)
+    return qc.qgemv_q8t(x, w, st, mt, q.shape[0])
+
+
+@pytest.mark.parametrize("op", ["rows", "tiled"])
 @pytest.mark.parametrize("kind,g", [("int8", 32), ("int8", 64), ("int4", 32), ("int4", 64)])
-@pytest.mark.parametrize("rows", [1, 6])  # 6: a block of four rows and two single rows
+@pytest.mark.parametrize("rows", [1, 7])  # 7: a block of four rows and three more
 def test_int8_activations_equal_the_same_arithmetic_in_float64(
-    kind: str, g: int, rows: int
+    kind: str, g: int, rows: int, op: str
 ) -> None:
-    n, k = 40, 256
+    n, k = 40, 256  # 40: the tiled kernel's last tile of 16 features is part padding
     x = _x(rows, k)
     q, lv, s, m = _weights(kind, n, k, g)
-    y = qc.qgemv_q8(x, q, s, m, g).double()
+    y = _q8(op, x, q, s, m, g).double()
     xq, d, sx = (t.double() for t in qc.quantize_q8(x))
     b = k // 32
     dots = torch.einsum("rbj,nbj->rnb", xq.reshape(rows, b, 32), lv.reshape(n, b, 32))
@@ -84,7 +97,27 @@ def test_int8_activations_equal_the_same_arithmetic_in_float64(
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_int8_activations_within_their_rounding_of_dequantize_then_multiply(kind: str) -> None:
+def test_the_tiled_kernel_split_over_threads_equals_the_row_kernel(kind: str) -> None:
+    # several tasks of tiles on two threads, the activation blocks quantized in parallel
+    n, k, rows = 1000, 576, 20
+    x = _x(rows, k)
+    q, lv, s, m = _weights(kind, n, k, 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = qc.qgemv_q8(x, q, s, m, 32), _q8("tiled", x, q, s, m, 32)
+    finally:
+        torch.set_num_threads(threads)
+    scale = float((x.abs() @ (lv.abs() * s.double().repeat_interleave(32, 1)).T.float()).max())
+    assert a.shape == b.shape == (rows, n)
+    assert float((a - b).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("op", ["rows", "tiled"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_int8_activations_within_their_rounding_of_dequantize_then_multiply(
+    kind: str, op: str
+) -> None:
     n, k, g, rows = 48, 192, 32, 3
     x = _x(rows, k)
     q, lv, s, m = _weights(kind, n, k, g)
@@ -92,7 +125,7 @@ def test_int8_activations_within_their_rounding_of_dequantize_then_multiply(kind
     if m is not None:
         w = w + m.double().repeat_interleave(g, 1)
     ref = x.double() @ w.T
-    y = qc.qgemv_q8(x, q, s, m, g).double()
+    y = _q8(op, x, q, s, m, g).double()
     # |x - d q| <= d (1/2 + 127 * 2^-11) per element (half a step, and d's float16
     # rounding); Q8_1's sum is float16 too: |m| * 2^-11 * |d sum q| per block
     d = x.reshape(rows, -1, 32).abs().amax(-1).double() / 127  # [M, K/32]
@@ -114,19 +147,25 @@ def test_both_int8_kernels_compute_the_same_and_auto_says_which_ran(kind: str) -
     cls = Int8Linear if kind == "int8" else Int4Linear
     layer = cls.from_float(lin, group_size=32, compute="int8")
     x = torch.randn(5, 128)
-    with use_kernel("q8dot"):
-        a = layer(x)
+    tiled = qc.tiled_unavailable() is None
+    names = ["q8dot", "q8dequant"] + (["q8tile"] if tiled else [])
     with use_kernel("q8dequant"):
         b = layer(x)
     scale = (x.abs() @ layer.dequantize().abs().T).max()
-    assert float((a - b).abs().max()) <= 1e-5 * float(scale)
+    for name in names:
+        with use_kernel(name):
+            a = layer(x)
+        assert float((a - b).abs().max()) <= 1e-5 * float(scale), name
     for rows in (1, 64):
         choice = explain_linear(layer, rows, compute="int8")
-        assert choice.chosen in ("q8dot", "q8dequant") and choice.how == "measured"
+        assert choice.chosen in names and choice.how == "measured"
         assert choice.activations == "int8" and "int8 activations" in str(choice)
-        assert set(choice.timings_us) == {"q8dot", "q8dequant"}
+        assert set(choice.timings_us) == set(names)
+        if not tiled:
+            assert "AVX-512 VNNI" in choice.rejected["q8tile"]
         assert "fused" in choice.rejected and "compute='int8'" in choice.rejected["fused"]
     assert "q8dot" in explain_linear(layer, 1).rejected  # float policies never take it
+    assert "q8tile" in explain_linear(layer, 1).rejected
     with pytest.raises(ValueError, match="q8dot"):
         explain_linear(layer, 1, kernel="q8dot")
 
@@ -140,14 +179,20 @@ def test_a_machine_without_the_kernel_falls_back_with_the_reason(
     choice = explain_linear(layer, 1, compute="int8")
     assert choice.chosen == "q8dequant"
     assert choice.rejected["q8dot"] == "no C++ compiler found to build the kernel"
+    assert choice.rejected["q8tile"] == "no C++ compiler found to build the kernel"
 
 
 def test_the_ops_trace_without_a_graph_break() -> None:
     q, _, s, m = _weights("int4", 32, 64, 32)
     q8, _, s8, _ = _weights("int8", 32, 64, 32)
 
+    tiled = qc.tiled_unavailable() is None
+    if tiled:
+        tw = qc.tile_weights(q, s, m, 32)
+
     def step(x: torch.Tensor) -> torch.Tensor:
-        return qc.qgemv_q8(x, q, s, m, 32) + qc.qgemv(x, q8, s8, None, 32)
+        y = qc.qgemv_q8(x, q, s, m, 32) + qc.qgemv(x, q8, s8, None, 32)
+        return y + qc.qgemv_q8t(x, *tw, 32) if tiled else y
 
     x = torch.randn(2, 64)
     torch._dynamo.reset()

@@ -2,9 +2,10 @@
 
 Two kernels: paged attention that reads a paged KV pool in place
 (``csrc/paged_attention.cpp``, the ``paged_kernel`` backend, ``torch.ops.attnlab_paged``),
-and the quantized-weight GEMVs (``csrc/qgemv.cpp``, :mod:`attnlab.backends.qmatmul_cpu`,
-``torch.ops.attnlab_q``). Each includes only the light
-ATen/``torch/library.h`` headers (no pybind11, no ``torch/extension.h``), so a first build
+and the quantized-weight GEMVs (``csrc/qgemv.cpp`` and the tiled VNNI variant
+``csrc/qgemv_tiled.cpp``, :mod:`attnlab.backends.qmatmul_cpu`, ``torch.ops.attnlab_q`` and
+``attnlab_qt``; the local headers a source includes are part of the cache key). Each
+includes only the light ATen/``torch/library.h`` headers (no pybind11, no ``torch/extension.h``), so a first build
 takes a few seconds of one core; the shared object is cached under
 ``$ATTNLAB_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/attnlab/kernels``, else
 ``~/.cache/attnlab/kernels``) in a folder named by a hash of the source, the torch
@@ -25,6 +26,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +36,11 @@ import torch
 
 __all__ = ["kernel_dir", "kernel_status", "load_paged", "paged_status"]
 
-_SOURCES = {"paged": "paged_attention.cpp", "qgemv": "qgemv.cpp"}
+_SOURCES = {
+    "paged": "paged_attention.cpp",
+    "qgemv": "qgemv.cpp",
+    "qtiled": "qgemv_tiled.cpp",
+}
 _FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w")
 _state: dict[str, str | None] = {}
 
@@ -94,7 +100,12 @@ def _build(name: str) -> str | None:
     if not source.exists():
         return f"the kernel's source {source} is missing"
     flags = " ".join([*_FLAGS, _march()])
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # included ones
+    text = source.read_text()
+    headers = [  # the local headers it includes are part of the key
+        (source.parent / h).read_bytes()
+        for h in re.findall(r'^#include "([^"]+)"', text, flags=re.M)
+        if (source.parent / h).exists()
+    ]
     key = hashlib.sha256(
         b"\0".join(
             x.encode() if isinstance(x, str) else x
@@ -137,7 +148,7 @@ def _build(name: str) -> str | None:
 
 
 def kernel_status(name: str) -> str | None:
-    """None when kernel ``name`` (``"paged"`` or ``"qgemv"``) is loaded (building it once
+    """None when kernel ``name`` (``"paged"``, ``"qgemv"`` or ``"qtiled"``) is loaded (building it once
     if needed), else why it is unavailable (the answer is kept for the process)."""
     if name not in _state:
         _state[name] = _build(name)

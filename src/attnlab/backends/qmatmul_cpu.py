@@ -30,6 +30,13 @@ float16, ``q = round_half_even(x * (127 / amax))``, and for 4-bit weights
 ``y[r, n] = sum_b sw[n, g(b)] * d[r, b] * dot_b (+ mw[n, g(b)] * sx[r, b])``.
 :func:`quantize_q8` returns those activation blocks (for references).
 
+:func:`qgemv_q8t` computes the same numbers (up to float32 summation order) from weights
+interleaved once by :func:`tile_weights` in tiles of 16 output features
+(``csrc/qgemv_tiled.cpp``): one 512-bit ``vpdpbusd`` with 4 activation bytes broadcast
+accumulates a block's dot product for all 16 features, about 2.5 instructions per 64
+weight bytes against 13 for the row layout, and rows in fours reuse each loaded weight
+register (prefill). It needs an AVX-512 VNNI build (:func:`tiled_unavailable` says why not).
+
 Shape notation: ``M`` rows of activations, ``K`` input features, ``N`` output features,
 ``G`` the scales' group size.
 """
@@ -41,7 +48,17 @@ from torch import Tensor
 
 from attnlab.backends import native
 
-__all__ = ["int8_dot", "qgemv", "qgemv_q8", "quantize_q8", "repack_int4", "unavailable"]
+__all__ = [
+    "int8_dot",
+    "qgemv",
+    "qgemv_q8",
+    "qgemv_q8t",
+    "quantize_q8",
+    "repack_int4",
+    "tile_weights",
+    "tiled_unavailable",
+    "unavailable",
+]
 
 
 def unavailable() -> str | None:
@@ -81,6 +98,11 @@ def _register_fakes() -> None:
             x.new_empty(x.shape[0], b),
         )
 
+    def gemv_t(x: Tensor, w: Tensor, s: Tensor, m: Tensor | None, n_out: int) -> Tensor:
+        return x.new_empty(x.shape[0], n_out)
+
+    if native.kernel_status("qtiled") is None:
+        torch.library.register_fake("attnlab_qt::qgemv_q8t", gemv_t)
     torch.library.register_fake("attnlab_q::qgemv", gemv)
     torch.library.register_fake("attnlab_q::qgemv_q8", gemv)
     torch.library.register_fake("attnlab_q::quantize_q8", quant)
@@ -135,3 +157,70 @@ def quantize_q8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     _require()
     q, d, sx = torch.ops.attnlab_q.quantize_q8(x)
     return q, d, sx
+
+
+_TILED: dict[str, str | None] = {}
+
+
+def tiled_unavailable() -> str | None:
+    """Why :func:`qgemv_q8t` cannot run here (no kernels, or a build without AVX-512
+    VNNI), or None (builds the kernel on first call; inside a compiled graph only the
+    verdict of an earlier eager call is read)."""
+    why = unavailable()
+    if why is not None:
+        return why
+    if "verdict" not in _TILED:
+        if torch.compiler.is_compiling():
+            return "the quantized kernels are built eagerly, before a graph is traced"
+        why = native.kernel_status("qtiled")
+        if why is None and not bool(torch.ops.attnlab_qt.available()):
+            why = "the tiled int8 kernel needs AVX-512 VNNI; this build has " + int8_dot()
+        _TILED["verdict"] = why
+    return _TILED["verdict"]
+
+
+def _tiles(t: Tensor, n: int) -> Tensor:
+    """``[N, ...]`` padded with zeros to a multiple of 16 rows -> ``[N/16, 16, ...]``."""
+    pad = (-n) % 16
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, 16, *t.shape[1:])
+
+
+def tile_weights(
+    q: Tensor, s: Tensor, m: Tensor | None, group_size: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The weights of :func:`qgemv_q8` (int8 ``q [N, K]``, or 4-bit ``[N, K/2]`` from
+    :func:`repack_int4`; ``s``/``m [N, K/G]``) interleaved for :func:`qgemv_q8t`:
+    levels ``[T, B, 8 | 4, 16, 4]`` uint8 (int8 levels stored as ``w + 128``), scales and
+    mins ``[T, B, 16]`` float32 per block of 32 (``T = ceil(N / 16)``, ``B = K / 32``)."""
+    n = q.shape[0]
+    per = group_size // 32
+    if m is None:
+        u = (q.to(torch.int16) + 128).to(torch.uint8)  # [N, K]
+        b = u.shape[1] // 32
+        lv = _tiles(u, n).reshape(-1, 16, b, 8, 4).permute(0, 2, 3, 1, 4)
+    else:
+        b = q.shape[1] // 16
+        lv = _tiles(q, n).reshape(-1, 16, b, 4, 4).permute(0, 2, 3, 1, 4)
+
+    def per_block(t: Tensor) -> Tensor:  # [N, K/G] -> [T, B, 16]
+        return _tiles(t.to(torch.float32).repeat_interleave(per, 1), n).transpose(1, 2)
+
+    mt = None if m is None else per_block(m).contiguous()
+    return lv.contiguous(), per_block(s).contiguous(), mt
+
+
+def qgemv_q8t(x: Tensor, w: Tensor, s: Tensor, m: Tensor | None, n_out: int) -> Tensor:
+    """``x [M, K]`` float32 times the weights of :func:`tile_weights` -> ``[M, N]``, int8
+    activation blocks as :func:`qgemv_q8` (the same numbers up to float32 summation order).
+
+    Raises:
+        RuntimeError: the tiled kernel is unavailable (the reason), or arguments of the
+            wrong dtype or shape (the op's check, naming them).
+    """
+    if not torch.compiler.is_compiling():
+        why = tiled_unavailable()
+        if why is not None:
+            raise RuntimeError(why)
+    return torch.ops.attnlab_qt.qgemv_q8t(x, w, s, m, n_out)

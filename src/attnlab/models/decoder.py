@@ -22,7 +22,7 @@ slot as an int or a tensor: ``generate`` runs it eagerly, or compiles it over a
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +61,9 @@ from attnlab.modules.positions import (
     SinusoidalPositionalEmbedding,
 )
 from attnlab.modules.quant_linear import QuantEmbedding
+
+if TYPE_CHECKING:
+    from attnlab.backends.linear_pack import PackedLinear
 
 __all__ = ["DecoderLM", "build_decoder_layer", "build_feed_forward", "build_moe", "make_norm"]
 
@@ -119,6 +122,8 @@ class DecoderLM(CausalLMShell):
             None if config.tie_word_embeddings else make_linear(d, config.vocab_size, bias=False)
         )
         self.dropout = nn.Dropout(config.hidden_dropout)
+        #: a tied head laid out for few-row inference (:func:`attnlab.models.inference.pack_model`)
+        self.packed_head: PackedLinear | None = None
         #: set by loaders that find them beside the weights (``attnlab.from_gguf``): a
         #: transformers tokenizer, and generation defaults under transformers' names
         self.tokenizer: Any = None
@@ -147,6 +152,8 @@ class DecoderLM(CausalLMShell):
         table = self.embed_tokens
         if isinstance(table, QuantEmbedding):
             return table.logits(x)
+        if self.packed_head is not None and self.packed_head.weight is table.weight:
+            return self.packed_head(x)
         return nn.functional.linear(x, table.weight)
 
     def _float_param(self) -> Tensor:

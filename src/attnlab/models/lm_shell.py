@@ -12,7 +12,7 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens so far (cached + new
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -53,6 +53,20 @@ class CausalLMShell(nn.Module):
         if self.lm_head is None:
             return self.embed_tokens.weight
         return cast(Tensor, self.lm_head.weight)
+
+    def prepare_inference(
+        self, *, rows: Sequence[int] = (1, 2, 4, 8, 16, 32), kernel: str = "auto"
+    ) -> CausalLMShell:
+        """Lay out the float linears (and a tied head) for ``rows``-row decode steps, each
+        kernel chosen by measurement; see :func:`attnlab.models.inference.pack_model`
+        (``attnlab.models.inference.unpack_model`` undoes it). Returns the model.
+
+        Raises:
+            ValueError: the model is in training mode.
+        """
+        from attnlab.models.inference import pack_model
+
+        return cast(CausalLMShell, pack_model(self, rows=rows, kernel=kernel))
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
         """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""

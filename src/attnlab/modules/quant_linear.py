@@ -198,6 +198,11 @@ class Int8Linear(QuantLinear):
             return self.qweight.contiguous(), self.scales[:, 0].to(dtype).contiguous()
         if name == "fused":
             return self.qweight.contiguous(), self.scales.contiguous()
+        if name == "tiled":
+            from attnlab.backends.qmatmul_cpu import tile_weights
+
+            lv, st, _ = tile_weights(self.qweight, self.scales, None, self.group_size)
+            return lv, st
         assert name == "int8groups"
         g = self.group_size
         out: list[Tensor] = []
@@ -296,6 +301,13 @@ class Int4Linear(QuantLinear):
             from attnlab.backends.qmatmul_cpu import repack_int4
 
             return repack_int4(self.levels()), self.scales.contiguous(), self.mins.contiguous()
+        if name == "tiled":
+            from attnlab.backends.qmatmul_cpu import repack_int4, tile_weights
+
+            lv, st, mt = tile_weights(repack_int4(self.levels()), self.scales, self.mins,
+                                      self.group_size)  # fmt: skip
+            assert mt is not None
+            return lv, st, mt
         assert name == "int4pack"
         packed = torch._convert_weight_to_int4pack_for_cpu(self.levels().to(torch.int32), 2)
         # the kernel computes (q - 8) * scale + zero: zero = min + 8 * scale
