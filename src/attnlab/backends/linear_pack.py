@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 32
 #: bytes of weight copies a measurement cycles through (beyond the L2 cache)
 _MEASURE_BYTES = 32 << 20
-_MAX_COPIES = 32
+_MAX_COPIES = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 
 

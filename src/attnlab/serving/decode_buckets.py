@@ -43,6 +43,7 @@ from attnlab.backends import native
 from attnlab.backends.plan import AttentionPlan, BlockTable, SequenceLayout, resolve
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.flat import FlatBatch, decoder_forward_flat, flat_plans
+from attnlab.models.inference import pack_model, packing_report
 
 if TYPE_CHECKING:
     from attnlab.serving.runner import ModelRunner
@@ -173,6 +174,9 @@ class DecodeBuckets:
         sizes: the bucket sizes ``B`` (a step of ``n`` sequences runs in the smallest
             ``B >= n``; more than the largest runs eagerly).
         max_model_len: the longest context a sequence may reach (the tables' width).
+        pack: lay out the model's float linears for the bucket sizes first
+            (:func:`attnlab.models.inference.pack_model`: each layer's kernel measured per
+            size; the eager steps use them too).
 
     Raises:
         ValueError: sizes that are not positive ints, or a model the buckets cannot run
@@ -180,7 +184,12 @@ class DecodeBuckets:
     """
 
     def __init__(
-        self, runner: ModelRunner, sizes: Sequence[int] = DEFAULT_SIZES, *, max_model_len: int
+        self,
+        runner: ModelRunner,
+        sizes: Sequence[int] = DEFAULT_SIZES,
+        *,
+        max_model_len: int,
+        pack: bool = True,
     ) -> None:
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"decode bucket sizes must be positive ints, got {sizes!r}")
@@ -191,6 +200,11 @@ class DecodeBuckets:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(native.kernel_dir().parent / "inductor")
         self.runner = runner
         self.sizes = tuple(sorted(set(sizes)))
+        if pack:  # the float linears laid out for these row counts, before any tracing
+            t = time.perf_counter()
+            pack_model(runner.model, rows=self.sizes)
+            report = packing_report(runner.model)["kernels"]
+            log.info("packed linears in %.1f s: %s", time.perf_counter() - t, report)
         bs = runner.manager.block_size
         self.width = -(-max_model_len // bs)
         self.scratch = runner.pool.num_blocks  # the pool's spare block
