@@ -21,7 +21,13 @@ Usage::
 
     PYTHONPATH=src python benchmarks/serving_step.py [--streams 1 8 32] [--threads 2]
         [--model llama|smollm2] [--buckets [--no-pack]] [--prompt-tokens 128]
-        [--temperature 1.0]
+        [--temperature 1.0] [--prefill [--new 1]]
+
+``--prefill`` times the steps that carry prompts instead: ``--new`` fresh prompts of
+``--prompt-tokens`` beside ``streams - 1`` decoding sequences (``--streams 1``: a prompt
+alone, the step of a request's first token), eager and through the compiled prefill
+step (:mod:`attnlab.serving.step_buckets`) alternating, with the compiled decode step
+of the same sequences beside it.
 """
 
 from __future__ import annotations
@@ -172,6 +178,65 @@ def one(streams: int, steps: int, top: int, args: argparse.Namespace) -> list[st
     return lines
 
 
+def _mixed_step(engine: Engine, rng: random.Random, vocab: int, args: argparse.Namespace) -> float:
+    """ms of one step that admits ``--new`` fresh prompts beside the running decodes
+    (the new requests are aborted after it, so every round starts alike)."""
+    params = SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True)
+    names = [f"new{rng.random()}" for _ in range(args.new)]
+    for name in names:
+        engine.add_request(name, [rng.randrange(vocab) for _ in range(args.prompt_tokens)], params)
+    t0 = time.perf_counter()
+    engine.step()
+    ms = (time.perf_counter() - t0) * 1000
+    for name in names:
+        engine.abort(name)
+    return ms
+
+
+def prefill_rounds(streams: int, args: argparse.Namespace) -> list[str]:
+    """A step with ``--new`` fresh prompts beside ``streams - 1`` decoding sequences (0:
+    a prompt alone, the first token's step), eager and compiled alternating, and the
+    decode step beside it for scale."""
+    m = model(args.model)
+    vocab = m.decoder_config.vocab_size
+    engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
+    decoders = streams - 1
+    t0 = time.perf_counter()
+    rows = next(r for r in (0, 8, 32) if r >= decoders)
+    pre = engine.runner.compile_prefill((rows,), max_model_len=2048, max_tokens=512)
+    secs = time.perf_counter() - t0
+    dec = None
+    if decoders:
+        dec = engine.runner.compile_buckets((max(decoders, 1),), max_model_len=2048)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=1000, temperature=args.temperature, ignore_eos=True)
+    for i in range(decoders):
+        engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(128)], params)
+    while engine.waiting or any(not s.output_ids for s in engine.running):
+        engine.step()
+    eager, compiled, decode = [], [], []
+    for _ in range(args.steps):
+        engine.runner.prefill = None
+        eager.append(_mixed_step(engine, rng, vocab, args))
+        engine.runner.prefill = pre
+        compiled.append(_mixed_step(engine, rng, vocab, args))
+        if decoders:
+            decode.append(_median_step(engine, 1))
+    e, c = statistics.median(eager), statistics.median(compiled)
+    what = f"{args.new} x {args.prompt_tokens}-token prompt(s)"
+    lines = [
+        f"### {what} beside {decoders} decoding sequences ({args.model})",
+        "",
+        f"Eager {e:.1f} ms, compiled {c:.1f} ms: {e / c:.2f}x (prefill graph for "
+        f"{rows} decode rows compiled in {secs:.0f} s; {pre.steps} compiled steps).",
+    ]
+    if dec is not None:
+        lines.append(
+            f"Compiled decode step of the {decoders} alone: {statistics.median(decode):.1f} ms."
+        )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -192,10 +257,20 @@ def main() -> None:
         default=0.0,
         help="the requests' temperature: 0 is greedy, 1 samples every row (as guidellm)",
     )
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="time steps that admit --new fresh prompts beside streams-1 decoding "
+        "sequences, eager against the compiled prefill step (serving/step_buckets.py)",
+    )
+    ap.add_argument("--new", type=int, default=1, help="fresh prompts per step (--prefill)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for streams in args.streams:
+        if args.prefill:
+            print("\n".join(["", *prefill_rounds(streams, args)]), flush=True)
+            continue
         print("\n".join(["", *one(streams, args.steps, args.top, args)]), flush=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -39,7 +40,8 @@ def _prompt() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("padded", [False, True])
-def test_decode_step_has_no_graph_break(name: str, padded: bool) -> None:
+@pytest.mark.parametrize("prefix", [False, True])
+def test_decode_step_has_no_graph_break(name: str, padded: bool, prefix: bool) -> None:
     torch.manual_seed(0)
     model = DecoderLM(MODELS[name]()).eval()
     ids, mask = _prompt()
@@ -51,7 +53,10 @@ def test_decode_step_has_no_graph_break(name: str, padded: bool) -> None:
         pos = ((mask.cumsum(-1) - 1)[:, -1:] + 1) if padded else None
         start = torch.tensor(6)
         am = full if padded else None
-        backend = model.decode_backend(ids[:, -1:], cache=cache, start=start, attention_mask=am)
+        slots = torch.arange(7)[None] if prefix else None  # the prefix written so far
+        backend = model.decode_backend(
+            ids[:, -1:], cache=cache, start=start, attention_mask=am, key_slots=slots
+        )
         explained = torch._dynamo.explain(model.decode_step)(
             ids[:, -1:],
             cache=cache,
@@ -59,9 +64,64 @@ def test_decode_step_has_no_graph_break(name: str, padded: bool) -> None:
             position_ids=pos,
             attention_mask=am,
             backend=backend,
+            key_slots=slots,
         )
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "bloom"])
+def test_compiled_generation_reads_the_prefix_in_one_graph(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step reads only the static cache's written slots (a dynamic size), through one
+    graph for the whole run (no recompile per step), with the eager loop's tokens, padded
+    or not, with a sliding window (mistral) and ALiBi (bloom)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()  # dynamo's tracing and guards, the graph run eagerly
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DecoderLM(MODELS[name]()).eval()
+    ids, mask = _prompt()
+    for m in (mask, None):
+        eager = generate(model, ids, 12, attention_mask=m, compile=False)
+        assert torch.equal(generate(model, ids, 12, attention_mask=m, compile=True), eager)
+    assert counter.frame_count == 2, counter.frame_count  # padded, unpadded: one graph each
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_step_given_its_key_slots_reads_only_them(padded: bool) -> None:
+    """``key_slots`` (the prefix written so far): the static cache hands over those slots
+    only, and the step's logits equal those of the step that reads every slot."""
+    from attnlab.cache import StaticKVCache
+
+    torch.manual_seed(0)
+    model = DecoderLM(MODELS["mistral"]()).eval()
+    ids, mask = _prompt()
+    full = torch.ones(2, 12, dtype=torch.long)
+    full[:, :6] = mask
+    am = full if padded else None
+    pos = ((mask.cumsum(-1) - 1)[:, -1:] + 1) if padded else None
+    got = {}
+    for prefix in (False, True):
+        cache = model.new_cache(kind="static", max_length=12, batch_size=2)
+        with torch.no_grad():
+            model(ids, attention_mask=mask if padded else None, past_key_values=cache)
+            got[prefix] = model.decode_step(
+                ids[:, -1:], cache=cache, start=torch.tensor(6), position_ids=pos,
+                attention_mask=am, key_slots=torch.arange(7)[None] if prefix else None,
+            )  # fmt: skip
+    layer = cache.layers[0]
+    assert isinstance(layer, StaticKVCache) and layer.k is not None
+    new = torch.randn(2, 2, 1, layer.k.shape[-1])
+    plan = SimpleNamespace(start=7, call=SimpleNamespace(key_shape=(2, 2, 8, 8)), k_positions=None)
+    view = layer.view(new, new, plan)  # type: ignore[arg-type]
+    assert view.key.shape[2] == 8 and view.key.data_ptr() == layer.k.data_ptr()  # a view
+    assert torch.equal(view.key[:, :, 7:], new)
+    torch.testing.assert_close(got[True], got[False], atol=1e-6, rtol=0)
 
 
 def test_compile_refuses_what_it_cannot_compile() -> None:

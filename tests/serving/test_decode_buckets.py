@@ -34,28 +34,50 @@ COMMON = dict(
 )
 
 
+def _staggered(engine: Engine, prompts: list, params: list, every: int) -> dict:
+    """Run the requests, request ``i`` added at step ``every * i`` (so that prompts meet
+    decoding sequences in mixed steps); ``{(i, choice): token ids}``."""
+    out: dict[tuple[int, int], list[int]] = {}
+    step = 0
+    while step // every < len(prompts) or engine.has_work():
+        if step % every == 0 and step // every < len(prompts):
+            i = step // every
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        for o in engine.step():
+            for d in o.outputs:
+                out.setdefault((int(o.request_id[1:]), d.index), []).extend(d.token_ids)
+        step += 1
+    return out
+
+
 def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
     tokenizer: Any, prefix_prompts: Any, greedy_params: Any
 ) -> None:
-    # the one compiled test (one bucket, ~10-20 s of compiling): Mistral's window frees
-    # blocks behind it, so the kernel's first live block comes from the bucket's metadata
+    # the one compiled test (a decode bucket and a prefill bucket, ~20-40 s of compiling):
+    # Mistral's window frees blocks behind it, so the kernel's first live block comes from
+    # the bucket's metadata; staggered arrivals give mixed steps (fresh chunks beside
+    # decode rows), prefix hits and second chunks (eager), forks and preemptions
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.mistral(sliding_window=6, **COMMON)).eval()
+    model = DecoderLM(DecoderConfig.mistral(sliding_window=16, **COMMON)).eval()
     rng = random.Random(1)
-    prompts = prefix_prompts(rng, 384, shared=10, count=7, lengths=(1, 14))
+    prompts = prefix_prompts(rng, 384, shared=10, count=9, lengths=(1, 22))
     params = greedy_params(rng, len(prompts), max_tokens=(4, 12))
     engine = Engine(model, tokenizer, num_blocks=12, block_size=4, max_num_batched_tokens=16)
     buckets = engine.runner.compile_buckets((4,), max_model_len=64)
-    assert set(buckets.compile_seconds) == {4}
+    prefill = engine.runner.compile_prefill((4,), max_model_len=64, max_tokens=16)
+    assert set(buckets.compile_seconds) == {4} and set(prefill.compile_seconds) == {4}
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     scratch = engine.pool.num_blocks  # the spare block past the manager's
-    results = engine.generate(prompts, params)
-    # the warm-up's graph serves the engine's steps (same inference mode): no second compile
+    got = _staggered(engine, prompts, params, every=1)
+    # the warm-up's graphs serve the engine's steps (same inference mode), and the prefill
+    # graph every chunk length (dynamic): no second compile
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    for prompt, p, choices in zip(prompts, params, results):
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
         ref = model.generate(torch.tensor([prompt]), p.max_tokens)[0, len(prompt) :].tolist()
-        assert [c.token_ids for c in choices] == [ref] * p.n
+        assert [got[i, c] for c in range(p.n)] == [ref] * p.n, i
     assert buckets.steps > 0  # some decode steps ran compiled (1-4 rows padded to 4)
+    assert prefill.steps > 0  # and some steps with fresh chunks
+    assert engine.scheduler.preemptions > 0
     assert engine.pool.num_used_blocks == 0 and engine.pool.storage.num_blocks == scratch + 1
 
 

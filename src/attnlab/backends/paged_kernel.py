@@ -39,23 +39,28 @@ from torch import Tensor
 from attnlab.backend_traits import TRAITS
 from attnlab.backends import native
 from attnlab.backends.call import AttentionCall, Backend
-from attnlab.backends.cost_model import Estimate, format_seconds, units
+from attnlab.backends.cost_model import Estimate, computed_pairs, format_seconds, units
 from attnlab.backends.plan import BlockTable
 from attnlab.backends.registry import register
 from attnlab.functional.masks import MaskPattern
 
 __all__ = ["paged_kernel_attention", "pattern_window"]
 
-#: The kernel's constants, one thread, float32, head dim 64 (``KERNEL_*``; measured on the
-#: project's machine under the bench lock, docs/benchmarks.md "paged attention kernel"): a
-#: decode step of 32 rows x 160 keys (10.5 MB of keys/values) took 1.1 ms (a ``sum`` over
-#: as many bytes 0.53 ms; the block copy + torch's kernel 7-8 ms): it is bound by the
-#: bytes it reads. A prefill chunk (8 rows x 128 queries, causal) took 9.9 ms against
-#: 2.4 ms for the block copy + torch's flash kernel: its scalar-ish inner loops are slower
-#: per (query, key) pair than torch's GEMM tiles, so ``auto`` sends chunks to the copy.
-KERNEL_BYTES_PER_S = 8e9
-KERNEL_SECONDS_PER_UNIT = 3.5e-8  # one (query, key) pair of one head at head dim 64
+#: The kernel's constants, one thread, float32, head dim 64 (``KERNEL_*``), fitted to
+#: ``benchmarks/paged_kernel.py`` under the bench lock (docs/benchmarks.md "Paged attention
+#: kernel"), scaled to a quiet machine as the other backends' constants are. A decode step
+#: is bound by the bytes it reads: 32 rows x 160 keys of SmolLM2 (7.9 MB of keys/values)
+#: 0.9-1.2 ms, 32 x 1024 (50 MB) 8.9-12 ms. A prefill chunk is bound by its small GEMMs:
+#: 3.3e-9 s per work unit of the (16-query x 32-key) tiles it computes, plus 19 us per
+#: (row, 16-query tile) task (the queries' transposition, the diagonal tiles' masks):
+#: 8 rows x 128 queries x 128 keys 4.1 ms (the block copy + torch's flash kernel 7.1 ms),
+#: 8 x 128 after 384 cached 16.9 ms (23.4), 1 x 512 x 512 5.2 ms (10.6).
+KERNEL_BYTES_PER_S = 7e9
+KERNEL_SECONDS_PER_UNIT = 3.3e-9  # one (query, key) pair of one head at head dim 64
+KERNEL_TASK_S = 1.9e-5  # per (row, tile of 16 queries) whose rows make a GEMM
 KERNEL_OVERHEAD_S = 2e-5  # the dispatcher and the rows' metadata, per call
+KERNEL_QUERY_TILE, KERNEL_KEY_TILE = 16, 32  # csrc/paged_attention.cpp's tiles
+KERNEL_DOT_ROWS = 8  # at most this many query rows per key head: dot products, no GEMM
 
 
 def pattern_window(pattern: MaskPattern | None, is_causal: bool) -> int | str | None:
@@ -273,10 +278,13 @@ def _cost(call: AttentionCall) -> Estimate | None:
         return None
     b, h_kv, s, e = call.key_shape[0], call.key_shape[-3], call.key_shape[-2], call.key_shape[-1]
     L = call.query_shape[-2]
-    # the keys read once from the pool, in place, or the causal pairs, whichever bounds it
+    # the keys read once from the pool, in place, or the tiles' GEMMs, whichever bounds it
     nbytes = b * h_kv * s * (e + call.value_shape[-1]) * call.dtype.itemsize
-    pairs = s - (L - 1) / 2 if s >= L else s / 2
-    work = units(call, L * pairs) * KERNEL_SECONDS_PER_UNIT
+    pairs = computed_pairs(call, KERNEL_QUERY_TILE, KERNEL_KEY_TILE)
+    work = units(call, pairs) * KERNEL_SECONDS_PER_UNIT
+    rows = min(L, KERNEL_QUERY_TILE) * (call.query_shape[-3] // max(h_kv, 1))
+    if rows > KERNEL_DOT_ROWS:  # the queries transposed per task, the diagonal masks
+        work += b * -(-L // KERNEL_QUERY_TILE) * KERNEL_TASK_S
     seconds = KERNEL_OVERHEAD_S + max(nbytes / KERNEL_BYTES_PER_S, work)
     note = f"~{format_seconds(seconds)}, no copy of the keys"
     return Estimate(seconds, note)

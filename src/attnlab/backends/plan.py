@@ -113,6 +113,11 @@ class SeqGroup:
         keep: long ``[N_g]``, the group's flat tokens.
         places: long ``[N_g]``, their places in ``[n_g * W_g]``.
         blocks: the group's rows of the step's block tables, or None.
+        segments: long ``[W_g]`` for a one-row group of fresh prefill chunks (sequences
+            none of whose tokens was computed before, one after the other in the row), the
+            chunk of each place (``-1``: padding): the group attends the step's new keys of
+            its own chunk only, not the pool (a compiled step's chunks,
+            :mod:`attnlab.serving.step_buckets`); None: keys from the cache.
     """
 
     rows: tuple[int, ...]
@@ -121,6 +126,7 @@ class SeqGroup:
     keep: Tensor
     places: Tensor
     blocks: BlockTable | None = None
+    segments: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -283,13 +289,18 @@ class KVView:
     Either tensors (``key [B, H_kv, S, E]``, ``value [B, H_kv, S, Ev]`` with their slots
     ``k_positions [B|1, S]``, ``-1`` empty), or a paged layer's pools (``key
     [slots, H_kv, E]``, ``value [slots, H_kv, Ev]``) with the rows' ``block_table`` for a
-    backend that reads blocks.
+    backend that reads blocks (and the step's new keys/values, for a group of fresh
+    chunks that attends them).
     """
 
     key: Tensor
     value: Tensor
     k_positions: Tensor | None = None
     block_table: BlockTable | None = None
+    #: a flat step's new keys/values ``[1, H_kv, N, E]`` (a group with ``segments``
+    #: attends them), or None
+    new_key: Tensor | None = None
+    new_value: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,23 @@ cache layout, and look up padding by slot.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from attnlab.cache.base import (
     CrossAttentionCache,
     KVCache,
+    KVView,
     ModelCache,
     Start,
     check_rows,
     tensor_nbytes,
 )
+
+if TYPE_CHECKING:
+    from attnlab.backends.plan import AttentionPlan
 
 __all__ = [
     "CrossAttentionCache",
@@ -164,6 +170,14 @@ class StaticKVCache(_TensorKVCache):
             self.k[rows, :, idx] = key.transpose(1, 2).to(self.k.dtype)
             self.v[rows, :, idx] = value.transpose(1, 2).to(self.v.dtype)
         return self.k, self.v
+
+    def view(self, key: Tensor, value: Tensor, plan: AttentionPlan) -> KVView:
+        """Store the new keys/values and return the first ``S`` slots the plan's call reads:
+        every slot (``S = max_length``), or the prefix written so far when the step was
+        given its key slots (``DecoderLM.decode_step(key_slots=...)``): a view, no copy."""
+        k, v = self.update(key, value, start=plan.start)
+        s = plan.call.key_shape[-2]
+        return KVView(k[:, :, :s], v[:, :, :s], plan.k_positions)  # [B, H_kv, S, h_d]
 
     def reset(self) -> None:
         """Forget the tokens; the buffers (and their shapes) are kept for reuse."""

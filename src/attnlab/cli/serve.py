@@ -92,7 +92,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="decode-only steps padded to these batch sizes (e.g. 1,2,4,8) and each size "
         "compiled once at startup with torch.compile, as vLLM captures graphs; auto: "
         "1,2,4,8,16,32 when the model allows it (the reason is printed when not: "
-        "recurrent layers, a quantized KV pool, ALiBi...); off: every step eager",
+        "recurrent layers, a quantized KV pool, ALiBi...); off: every step eager, the "
+        "steps with prompts too",
+    )
+    p.add_argument(
+        "--compiled-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with decode buckets, also compile the steps that carry new prompts (one "
+        "graph per 0/8/32 decode rows, the token count dynamic); --no-compiled-prefill: "
+        "those steps run eagerly",
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
@@ -391,6 +400,7 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         args.model_dir,
         sizes,
         required,
+        prefill=args.compiled_prefill,
         chat_template=args.chat_template,
         progress=True,
         block_size=args.block_size,
@@ -421,15 +431,20 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def build_served_engine(
-    model: Any, decode_sizes: tuple[int, ...] | None, decode_required: bool, **kwargs: Any
+    model: Any,
+    decode_sizes: tuple[int, ...] | None,
+    decode_required: bool,
+    prefill: bool = True,
+    **kwargs: Any,
 ) -> tuple[Any, str]:
     """``(engine, model name)`` as ``attnlab serve`` runs it: loaded, its decode buckets
-    compiled (or the reason they are not, on stderr). Module-level, so the engine process
-    can be handed it pickled."""
+    and prefill steps compiled (or the reason they are not, on stderr). Module-level, so
+    the engine process can be handed it pickled."""
     from attnlab.serving.decode_buckets import enable_for_serving
     from attnlab.serving.server import load_engine
 
     engine, name = load_engine(model, **kwargs)
-    print(enable_for_serving(engine, decode_sizes, required=decode_required), file=sys.stderr)
+    said = enable_for_serving(engine, decode_sizes, required=decode_required, prefill=prefill)
+    print(said, file=sys.stderr)
     sys.stderr.flush()
     return engine, name

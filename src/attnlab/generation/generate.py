@@ -231,14 +231,21 @@ class _DecoderSteps:
         return self._forward(tok[:, None], slot + 1, self.next_pos)
 
     def _compiled_step(self, tok: Tensor, slot: int) -> Tensor:
-        """The slot as a tensor and the whole mask: the same graph every step."""
+        """The slot as a tensor, the whole mask, and the slots written so far as a size
+        the graph takes as dynamic: the same graph every step, reading only the prefix."""
         start = torch.tensor(slot, device=tok.device)
+        key_slots = torch.arange(slot + 1, device=tok.device)[None]  # [1, S]
+        # S <= max_length - 1: the last new token is never written (a full-length view
+        # would be a guard of its own)
+        torch._dynamo.mark_dynamic(key_slots, 1, min=2, max=self.cache.layers[0].max_length - 1)
         if self.backend is None:  # asked once, eagerly: the registry's context is not traced
             self.backend = self.model.decode_backend(  # type: ignore[operator]
-                tok[:, None], cache=self.cache, start=start, attention_mask=self.full_mask
-            )
+                tok[:, None], cache=self.cache, start=start, attention_mask=self.full_mask,
+                key_slots=key_slots,
+            )  # fmt: skip
         kwargs = dict(cache=self.cache, start=start, position_ids=self.next_pos,
-                      attention_mask=self.full_mask, backend=self.backend)  # fmt: skip
+                      attention_mask=self.full_mask, backend=self.backend,
+                      key_slots=key_slots)  # fmt: skip
         try:
             logits = self.step_fn(tok[:, None], **kwargs)
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:

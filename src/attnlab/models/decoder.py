@@ -37,6 +37,7 @@ from attnlab.functional.positions import alibi_slopes, positions_from_mask
 from attnlab.functional.routing import load_balancing_loss, router_z_loss
 from attnlab.models.decoder_attention import (
     attention_call,
+    attention_keys,
     attention_pattern,
     explain,
     first_kv,
@@ -351,6 +352,7 @@ class DecoderLM(CausalLMShell):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         backend: str | None = None,
+        key_slots: Tensor | None = None,
     ) -> Tensor:
         """The forward of one decoding step, trusted: logits ``[B, L, V]`` of the last token.
 
@@ -369,6 +371,12 @@ class DecoderLM(CausalLMShell):
             backend: the attention backend, resolved beforehand (:meth:`decode_backend`;
                 a compiled step cannot consult the registry's context); default: ask the
                 registry once for this forward.
+            key_slots: ``[1, S]`` the slots ``0 .. S-1`` with ``S = start + L``: a
+                :class:`~attnlab.cache.StaticKVCache` hands over (and the attention
+                reads) only these, the slots written so far, instead of all of its
+                ``max_length``; a compiled step takes ``S`` as a dynamic size (one
+                graph for every step). None: every slot, the causal pattern hiding
+                the unwritten ones.
         """
         x = self.embed_tokens(input_ids)  # [B, L, D]
         logits, _, _, _ = run_layers(
@@ -382,6 +390,7 @@ class DecoderLM(CausalLMShell):
             output_attentions=False,
             output_hidden_states=False,
             backend=backend,
+            key_slots=key_slots,
         )
         return logits
 
@@ -392,6 +401,7 @@ class DecoderLM(CausalLMShell):
         cache: ModelCache,
         start: Start,
         attention_mask: Tensor | None = None,
+        key_slots: Tensor | None = None,
     ) -> str:
         """The backend the registry picks for :meth:`decode_step` with these arguments."""
         n = input_ids.shape[1]
@@ -400,9 +410,10 @@ class DecoderLM(CausalLMShell):
         first = first_kv(cache, self.layer_windows, self.layer_windows[0])
         q_slots = start + torch.arange(n, device=x.device)[None]
         pattern, is_causal, _, k_pos = attention_pattern(
-            self, first, attention_mask, start, n, q_slots, window=self.layer_windows[0]
-        )
-        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+            self, first, attention_mask, start, n, q_slots, window=self.layer_windows[0],
+            key_slots=key_slots,
+        )  # fmt: skip
+        s = attention_keys(first, n, k_pos, key_slots)
         return self._backend_for(attention_call(self, x, pattern, is_causal, s, False, first))
 
     def _backend_for(self, call: AttentionCall) -> str:

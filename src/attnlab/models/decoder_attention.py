@@ -27,7 +27,14 @@ from attnlab.models.decoder_parts import AttentionGroup, layer_pattern
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
 
-__all__ = ["attention_call", "attention_pattern", "attention_plans", "explain", "first_kv"]
+__all__ = [
+    "attention_call",
+    "attention_keys",
+    "attention_pattern",
+    "attention_plans",
+    "explain",
+    "first_kv",
+]
 
 
 def first_kv(
@@ -52,9 +59,12 @@ def attention_plans(
     need_weights: bool,
     extra: MaskPattern | None,
     backend: str | None,
+    key_slots: Tensor | None = None,
 ) -> dict[int | None, AttentionPlan]:
     """One plan per sliding window of the layers (None: global), each with its
-    backend chosen once (or ``backend`` as resolved by the caller)."""
+    backend chosen once (or ``backend`` as resolved by the caller); ``key_slots``
+    ``[1, S]``: a static cache's first ``S = start + L`` slots are the keys (see
+    :func:`attention_pattern`)."""
     n = x.shape[1]
     # the new tokens' padding, for mixers whose state must skip pads (Mamba)
     token_mask = None if mask is None else mask.narrow(1, start, n)  # [B, L]
@@ -63,9 +73,9 @@ def attention_plans(
         # the slots of the first attention layer of this window (others carry states)
         first = first_kv(cache, model.layer_windows, window)
         pattern, is_causal, q_pos, k_pos = attention_pattern(
-            model, first, mask, start, n, q_slots, extra, window=window
+            model, first, mask, start, n, q_slots, extra, window=window, key_slots=key_slots
         )
-        s = k_pos.shape[-1] if k_pos is not None else (first.length if first else 0) + n
+        s = attention_keys(first, n, k_pos, key_slots)
         call = attention_call(model, x, pattern, is_causal, s, need_weights, first)
         plans[window] = make_plan(
             call,
@@ -81,6 +91,17 @@ def attention_plans(
     return plans
 
 
+def attention_keys(
+    first: KVCache | None, n: int, k_pos: Tensor | None, key_slots: Tensor | None
+) -> int:
+    """``S``, the keys of the call: the pattern's key slots, the read prefix, or all."""
+    if k_pos is not None:
+        return k_pos.shape[-1]
+    if key_slots is not None:
+        return key_slots.shape[-1]
+    return (first.length if first else 0) + n
+
+
 def attention_pattern(
     model: DecoderLM,
     first: KVCache | None,
@@ -91,6 +112,7 @@ def attention_pattern(
     extra: MaskPattern | None = None,
     *,
     window: int | None,
+    key_slots: Tensor | None = None,
 ) -> tuple[MaskPattern | None, bool, Tensor | None, Tensor | None]:
     """``(pattern, is_causal, q slots, k slots)`` shared by the layers of one window.
 
@@ -99,9 +121,15 @@ def attention_pattern(
     pattern such as ``document(ids)``, when given). Two shapes need no pattern at
     all: a prompt with no cache, padding, window or bias (torch's causal kernel), and
     one new token against a contiguous cache of every earlier slot (it sees them all).
+    ``key_slots`` (``[1, S]``, ``S = start + n``: a compiled step that reads only the
+    written prefix of a static cache) are the keys' slots; one new token sees them all.
     """
     mods = model._score_mods
     plain = mask is None and window is None and model._unscored and extra is None
+    if key_slots is not None:
+        if plain and n == 1:
+            return None, False, None, None
+        return layer_pattern(window, mask, extra, mods), False, q_slots, key_slots
     contiguous = first is None or isinstance(first, DynamicKVCache)
     if plain and contiguous and isinstance(start, int):
         if start == 0:

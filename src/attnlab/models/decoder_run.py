@@ -43,18 +43,21 @@ def run_layers(
     extra: MaskPattern | None = None,
     backend: str | None = None,
     head: bool = True,
+    key_slots: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
     """The one forward, after validation: ``(logits, hidden states, attentions, router
     logits)``; ``extra`` is a user pattern combined with the model's own (no cache);
-    ``head=False`` returns the final hidden states ``[B, L, D]`` in the logits' place."""
+    ``head=False`` returns the final hidden states ``[B, L, D]`` in the logits' place;
+    ``key_slots``: the static cache's slots a decode step reads (``DecoderLM.decode_step``)."""
     n = x.shape[1]
     device = x.device
     q_slots = start + torch.arange(n, device=device)[None]  # [1, L]
     positions = q_slots if position_ids is None else position_ids
     x = model._embed_extras(x, positions)
     plans = attention_plans(
-        model, x, start, mask, positions, q_slots, cache, output_attentions, extra, backend
-    )
+        model, x, start, mask, positions, q_slots, cache, output_attentions, extra, backend,
+        key_slots,
+    )  # fmt: skip
     hidden: list[Tensor] = [x] if output_hidden_states else []
     attentions: list[Tensor] = []
     router_logits: list[Tensor] = []

@@ -48,7 +48,14 @@ from attnlab.models.inference import pack_model, packing_report
 if TYPE_CHECKING:
     from attnlab.serving.runner import ModelRunner
 
-__all__ = ["DEFAULT_SIZES", "DecodeBuckets", "bucket_refusal", "enable_for_serving", "parse_sizes"]
+__all__ = [
+    "DEFAULT_SIZES",
+    "DecodeBuckets",
+    "bucket_refusal",
+    "enable_for_serving",
+    "parse_sizes",
+    "use_inductor_cache",
+]
 
 log = logging.getLogger("attnlab.serving")
 
@@ -71,6 +78,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             f"decode buckets must be a comma-separated list of positive ints, got {text!r}"
         )
     return sizes
+
+
+def use_inductor_cache() -> None:
+    """Cache inductor's code under ``~/.cache/attnlab/inductor`` (next to the built
+    kernels), unless ``TORCHINDUCTOR_CACHE_DIR`` says where."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(native.kernel_dir().parent / "inductor")
 
 
 def _template_layout(size: int) -> SequenceLayout:
@@ -196,8 +210,7 @@ class DecodeBuckets:
         reason = bucket_refusal(runner)
         if reason is not None:
             raise ValueError(f"compiled decode buckets refused: {reason}")
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(native.kernel_dir().parent / "inductor")
+        use_inductor_cache()
         self.runner = runner
         self.sizes = tuple(sorted(set(sizes)))
         if pack:  # the float linears laid out for these row counts, before any tracing
@@ -298,14 +311,20 @@ class DecodeBuckets:
             return bucket.step(ids_t, pos_t, table, meta_t, write_t)
 
 
-def enable_for_serving(engine: object, sizes: Sequence[int] | None, *, required: bool) -> str:
-    """Compile ``engine``'s decode buckets now (a server's start), or say why not.
+def enable_for_serving(
+    engine: object, sizes: Sequence[int] | None, *, required: bool, prefill: bool = True
+) -> str:
+    """Compile ``engine``'s decode buckets now (a server's start), and its prefill steps
+    (:mod:`attnlab.serving.step_buckets`: one graph per decode-row bucket up to the
+    largest size, taking the engine's token budget), or say why not.
 
     Args:
-        engine: a :class:`~attnlab.serving.Engine` (its ``runner`` and ``max_model_len``).
-        sizes: the bucket sizes, or None (every step eager).
+        engine: a :class:`~attnlab.serving.Engine` (its ``runner``, ``max_model_len`` and
+            ``max_num_batched_tokens``).
+        sizes: the bucket sizes, or None (every step eager, prefill steps too).
         required: the user asked for the buckets: a refusal is an error (else it is
             logged and the server decodes eagerly).
+        prefill: also compile the steps with fresh prefill chunks.
 
     Returns:
         What the server's banner says about decoding.
@@ -322,8 +341,20 @@ def enable_for_serving(engine: object, sizes: Sequence[int] | None, *, required:
             raise ValueError(f"--decode-buckets: compiled decode buckets refused: {reason}")
         log.info("compiled decode buckets refused: %s", reason)
         return f"eager decode steps (compiled buckets refused: {reason})"
+    from attnlab.serving.step_buckets import DEFAULT_ROWS
+
     t = time.perf_counter()
-    runner.compile_buckets(sizes, max_model_len=engine.max_model_len)  # type: ignore[attr-defined]
+    max_len: int = engine.max_model_len  # type: ignore[attr-defined]
+    runner.compile_buckets(sizes, max_model_len=max_len)
     secs = time.perf_counter() - t
     listed = ",".join(map(str, sorted(set(sizes))))
-    return f"decode steps compiled at batch sizes {listed} (in {secs:.0f} s)"
+    said = f"decode steps compiled at batch sizes {listed} (in {secs:.0f} s)"
+    if not prefill:
+        return said
+    rows = tuple(r for r in DEFAULT_ROWS if r <= max(sizes)) or (0,)
+    t = time.perf_counter()
+    budget: int = engine.max_num_batched_tokens  # type: ignore[attr-defined]
+    runner.compile_prefill(rows, max_model_len=max_len, max_tokens=budget)
+    secs = time.perf_counter() - t
+    listed = ",".join(map(str, rows))
+    return f"{said}; steps with new prompts beside {listed} decode rows (in {secs:.0f} s)"

@@ -32,6 +32,7 @@ from attnlab.cache.recurrent import RecurrentState
 from attnlab.cache.state_slots import SlotTable, StateSlots
 from attnlab.models.flat import FlatBatch
 from attnlab.serving.decode_buckets import DEFAULT_SIZES, DecodeBuckets
+from attnlab.serving.step_buckets import DEFAULT_ROWS, PrefillBuckets
 
 __all__ = ["FlatRow", "ModelRunner", "flat_inputs", "layer_specs", "pool_for"]
 
@@ -181,6 +182,8 @@ class ModelRunner:
         self.block_rows = BlockRows(self.manager)
         #: compiled decode steps (:meth:`compile_buckets`), or None: every step eager
         self.buckets: DecodeBuckets | None = None
+        #: compiled steps with fresh prefill chunks (:meth:`compile_prefill`), or None
+        self.prefill: PrefillBuckets | None = None
 
     def compile_buckets(
         self,
@@ -201,6 +204,27 @@ class ModelRunner:
         if warm:
             self.buckets.warm()
         return self.buckets
+
+    def compile_prefill(
+        self,
+        rows: Sequence[int] = DEFAULT_ROWS,
+        *,
+        max_model_len: int,
+        max_tokens: int,
+        warm: bool = True,
+    ) -> PrefillBuckets:
+        """Run steps with fresh prefill chunks through forwards compiled once per
+        decode-row bucket (:mod:`attnlab.serving.step_buckets`); ``warm``: compile now.
+
+        Raises:
+            ValueError: a model the buckets cannot run (the reason), or bad rows.
+        """
+        self.prefill = PrefillBuckets(
+            self, rows, max_model_len=max_model_len, max_tokens=max_tokens
+        )
+        if warm:
+            self.prefill.warm()
+        return self.prefill
 
     # ------------------------------------------------------------------ state slots
 
@@ -275,10 +299,11 @@ class ModelRunner:
 
         The caller commits the rows' tokens in the manager after (``KVManager.commit``).
         """
-        if self.buckets is not None and (keep is None or all(k == 1 for k in keep)):
-            out = self.buckets.run(rows)
-            if out is not None:
-                return out
+        if keep is None or all(k == 1 for k in keep):
+            for compiled in (self.buckets, self.prefill):
+                out = compiled.run(rows) if compiled is not None else None
+                if out is not None:
+                    return out
         ids, flat = self.batch(rows, keep)
         logits: Tensor = self.model.forward_flat(ids, flat, self.cache)  # type: ignore[operator]
         return logits

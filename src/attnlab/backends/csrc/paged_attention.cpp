@@ -21,15 +21,13 @@
 // One task is (row, tile of up to 16 queries). Its M = nq * rep query rows of each key
 // head g share every key: a tile's scores are a small GEMM S^T [keys, M] (the queries
 // transposed once per task, each key element broadcast from the pool in place), or for
-// a few rows (decode: M = rep) one dot product per (key, row). The softmax runs across
-// the M rows in SIMD lanes, with one rescale of the accumulators per key tile, and the
-// values are added as P^T [M, keys] x V [keys, Ev], register-blocked 4 rows x 4 vectors.
-//
-// SIMD: the same code is instantiated for AVX-512, AVX2+FMA and plain scalar floats,
-// whichever the build's -march allows; the widest runs, `paged_attention_simd` picks one
-// (tests compare them). exp is a polynomial (vexp below): max relative error about
-// 2 ulp (measured < 2.4e-7 against float64 on [-87, 88], tests/backends/
-// test_paged_kernel_simd.py); below -87.34 it returns 0 (true value < 2^-126).
+// a few rows (decode: M = rep) a dot product per (key, row). The softmax runs across the
+// M rows in SIMD lanes, one rescale of the accumulators per key tile, and the values are
+// added as P^T [M, keys] x V [keys, Ev], register-blocked 4 rows x 4 vectors.
+// SIMD: the same code is built for AVX-512, AVX2+FMA and scalar floats, as -march allows;
+// the widest runs (`paged_attention_simd` picks one: tests compare them). exp is a
+// polynomial: max relative error 1.2e-7 (1 ulp) against float64 on [-87.3, 88.3]
+// (tests/backends/test_paged_kernel_simd.py); below -87.34 it is 0 (true value < 2^-126).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -52,126 +50,12 @@ namespace {
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kKeyTile = 32;
 constexpr int64_t kDotRows = 8;  // at most this many rows per key head: dot products
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln2 / 2; e^r = 1 + r + r^2 P(r) with
-// Cephes' degree-5 minimax P (expf.c); ln 2 split in two so r is exact to float rounding.
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExpHi = 88.3762626647949f, kExpLo = -87.3365447504f;  // 2^-126 below
-constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
-                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
-
-struct Scalar {
-  static constexpr int W = 1;
-  using T = float;
-  static T load(const float* p) { return *p; }
-  static T loadn(const float* p, int64_t) { return *p; }
-  static void store(float* p, T v) { *p = v; }
-  static T set1(float x) { return x; }
-  static T zero() { return 0.f; }
-  static T fma(T a, T b, T c) { return a * b + c; }
-  static T add(T a, T b) { return a + b; }
-  static T mul(T a, T b) { return a * b; }
-  static T max(T a, T b) { return a > b ? a : b; }
-  static float hsum(T v) { return v; }
-  static T base(T m) { return m == -kInf ? 0.f : m; }  // a row that saw no key: 0
-  static T exp(T x) {
-    if (x != x) return x;
-    if (x < kExpLo) return 0.f;
-    x = std::min(x, kExpHi);
-    const float fx = std::nearbyint(x * kLog2e);
-    const float r = (x - fx * kLn2Hi) - fx * kLn2Lo;
-    float y = kP0;
-    for (float c : {kP1, kP2, kP3, kP4, kP5}) y = y * r + c;
-    y = y * (r * r) + r + 1.f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
-    float pow2;
-    std::memcpy(&pow2, &bits, 4);
-    return y * pow2;
-  }
-};
-
-#if defined(__AVX2__) && defined(__FMA__)
-struct Avx2 {
-  static constexpr int W = 8;
-  using T = __m256;
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T loadn(const float* p, int64_t n) {  // the first n lanes; the rest 0, never read
-    if (n >= W) return _mm256_loadu_ps(p);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lanes));
-  }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static T set1(float x) { return _mm256_set1_ps(x); }
-  static T zero() { return _mm256_setzero_ps(); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static T max(T a, T b) { return _mm256_max_ps(a, b); }
-  static float hsum(T v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-  static T base(T m) {
-    return _mm256_blendv_ps(m, zero(), _mm256_cmp_ps(m, set1(-kInf), _CMP_EQ_OQ));
-  }
-  static T exp(T x) {
-    const T under = _mm256_cmp_ps(x, set1(kExpLo), _CMP_LT_OQ);
-    x = _mm256_max_ps(set1(kExpLo), _mm256_min_ps(set1(kExpHi), x));  // NaN stays NaN
-    const T fx = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = _mm256_fnmadd_ps(fx, set1(kLn2Lo), _mm256_fnmadd_ps(fx, set1(kLn2Hi), x));
-    T y = set1(kP0);
-    for (float c : {kP1, kP2, kP3, kP4, kP5}) y = fma(y, r, set1(c));
-    y = fma(y, mul(r, r), add(r, set1(1.f)));
-    const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-    y = mul(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-    return _mm256_blendv_ps(y, zero(), under);
-  }
-};
-#endif
-
-#if defined(__AVX512F__)
-struct Avx512 {
-  static constexpr int W = 16;
-  using T = __m512;
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T loadn(const float* p, int64_t n) {  // masked lanes are never read
-    return n >= W ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p);
-  }
-  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  static T set1(float x) { return _mm512_set1_ps(x); }
-  static T zero() { return _mm512_setzero_ps(); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
-  static T base(T m) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, set1(-kInf), _CMP_EQ_OQ), m, zero());
-  }
-  static T exp(T x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, set1(kExpLo), _CMP_LT_OQ);
-    x = _mm512_max_ps(set1(kExpLo), _mm512_min_ps(set1(kExpHi), x));  // NaN stays NaN
-    const T fx = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = _mm512_fnmadd_ps(fx, set1(kLn2Lo), _mm512_fnmadd_ps(fx, set1(kLn2Hi), x));
-    T y = set1(kP0);
-    for (float c : {kP1, kP2, kP3, kP4, kP5}) y = fma(y, r, set1(c));
-    y = fma(y, mul(r, r), add(r, set1(1.f)));
-    const __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
-    y = mul(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
-    return _mm512_mask_blend_ps(under, y, zero());
-  }
-};
-#endif
+#include "paged_simd.h"  // Scalar, Avx2, Avx512: the SIMD types and their exp
 
 struct Args {
-  const float* q;
-  const float* k;
-  const float* v;
-  const int64_t* table;
-  const int64_t* q_pos;
-  const int64_t* meta;
+  const float *q, *k, *v;
+  const int64_t *table, *q_pos, *meta;
   float* out;
   int64_t H, G, L, E, Ev, nb, bs, window;
   int64_t qs0, qs1, qs2, qs3;  // strides of q
@@ -193,13 +77,14 @@ inline void key_range(const Args& a, int64_t b, int64_t w, int64_t& lo, int64_t&
 // A task's buffers, per thread. Rows m = (w - w0) * rep + (h % rep) of key head g; Mp
 // rows padded to whole vectors (and to 4, the value kernel's row block).
 struct Work {
-  std::vector<float> q, s, m, l, corr, acc;
+  std::vector<float> q, s, m, l, corr, acc, lof, hif;  // lof/hif: each row's range
   std::vector<int64_t> lo, hi;
+  int64_t lo_max = 0, hi_min = 0;  // every row sees keys lo_max .. hi_min
   std::vector<const float*> kp, vp;
   Work(const Args& a, int64_t mp, int64_t evp)
       : q(a.G * round_up(a.E, 16) * mp), s((kKeyTile + 4) * mp), m(a.G * mp), l(a.G * mp),
-        corr(mp), acc(a.G * mp * evp), lo(kQueryTile), hi(kQueryTile), kp(kKeyTile + 4),
-        vp(kKeyTile + 4) {}
+        corr(mp), acc(a.G * mp * evp), lof(mp), hif(mp), lo(kQueryTile), hi(kQueryTile),
+        kp(kKeyTile + 4), vp(kKeyTile + 4) {}
 };
 
 template <class V>
@@ -283,6 +168,12 @@ struct Kernel {
         hi_all = std::max(hi_all, s.hi[w - w0]);
       }
     }
+    s.lo_max = *std::max_element(s.lo.begin(), s.lo.begin() + nq);
+    s.hi_min = *std::min_element(s.hi.begin(), s.hi.begin() + nq);
+    for (int64_t m = 0; m < mp; ++m) {  // as floats (exact below 2^24), pad rows: all keys
+      s.lof[m] = m < M ? float(s.lo[m / rep]) : -1e30f;
+      s.hif[m] = m < M ? float(s.hi[m / rep]) : 1e30f;
+    }
     const int64_t qsize = dot ? mp * ep : a.E * mp;  // per key head
     std::fill(s.q.begin(), s.q.begin() + a.G * qsize, 0.f);
     for (int64_t h = 0; h < a.H; ++h) {  // dot: q[g][m][ep]; GEMM: q[g][e][mp] (transposed)
@@ -339,12 +230,12 @@ struct Kernel {
       const float* q = s.q.data() + g * mp * ep;
       for (int64_t j = 0; j < n; ++j) {
         const float* kr = s.kp[j];
+        for (int64_t c = 0; c < mp; c += W) V::store(sc + j * mp + c, V::zero());  // pads
         for (int64_t m = 0; m < M; ++m) {
           T acc = V::zero();
           for (int64_t e = 0; e < ep; e += W) acc = V::fma(V::load(q + m * ep + e), V::loadn(kr + e, a.E - e), acc);
           sc[j * mp + m] = V::hsum(acc);
         }
-        for (int64_t m = M; m < mp; ++m) sc[j * mp + m] = 0.f;
       }
     } else {
       const float* qt = s.q.data() + g * a.E * mp;
@@ -359,11 +250,14 @@ struct Kernel {
         });
       }
     }
-    for (int64_t m = 0; m < M; ++m) {  // the pattern: keys outside a query's range
-      const int64_t lo = s.lo[m / rep], hi = s.hi[m / rep];
-      if (lo <= t0 && hi >= t0 + n - 1) continue;
-      for (int64_t j = 0; j < n; ++j)
-        if (t0 + j < lo || t0 + j > hi) sc[j * mp + m] = -kInf;
+    if (s.lo_max > t0 || s.hi_min < t0 + n - 1) {  // the pattern: keys outside a range
+      for (int64_t j = 0; j < n; ++j) {
+        const T idx = V::set1(float(t0 + j));
+        for (int64_t c = 0; c < mp; c += W) {
+          const T v = V::load(sc + j * mp + c);
+          V::store(sc + j * mp + c, V::outside(v, idx, V::load(s.lof.data() + c), V::load(s.hif.data() + c)));
+        }
+      }
     }
     float* mr = s.m.data() + g * mp;
     float* lr = s.l.data() + g * mp;
@@ -372,10 +266,10 @@ struct Kernel {
       T mx = m_old;
       for (int64_t j = 0; j < n; ++j) mx = V::max(mx, V::load(sc + j * mp + c));
       const T base = V::base(mx);
-      const T corr = V::exp(V::add(m_old, V::mul(base, V::set1(-1.f))));
+      const T corr = V::exp(V::sub(m_old, base));
       T sum = V::zero();
       for (int64_t j = 0; j < n; ++j) {
-        const T p = V::exp(V::add(V::load(sc + j * mp + c), V::mul(base, V::set1(-1.f))));
+        const T p = V::exp(V::sub(V::load(sc + j * mp + c), base));
         V::store(sc + j * mp + c, p);
         sum = V::add(sum, p);
       }
@@ -423,54 +317,33 @@ struct Kernel {
 };
 
 std::vector<int64_t> widths() {  // the SIMD widths this build holds, widest first
-  std::vector<int64_t> w;
+  return {
 #if defined(__AVX512F__)
-  w.push_back(16);
+      16,
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  w.push_back(8);
+      8,
 #endif
-  w.push_back(1);
-  return w;
+      1};
 }
 
 Args make_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const at::Tensor& table, const at::Tensor& q_pos, const at::Tensor& meta,
                double scale, int64_t window, int64_t block_size, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 3 && v_pool.dim() == 3, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
-                  v_pool.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "float32 only");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous() &&
-                  table.is_contiguous() && meta.is_contiguous(),
-              "pools, table, meta and out must be contiguous");
-  TORCH_CHECK(table.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong &&
-                  meta.scalar_type() == at::kLong,
-              "int64 tables");
-  Args a;
-  a.q = q.data_ptr<float>();
-  a.k = k_pool.data_ptr<float>();
-  a.v = v_pool.data_ptr<float>();
-  a.table = table.data_ptr<int64_t>();
-  a.q_pos = q_pos.data_ptr<int64_t>();
-  a.meta = meta.data_ptr<int64_t>();
-  a.out = out.data_ptr<float>();
+  for (const at::Tensor* t : {&q, &k_pool, &v_pool, &out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "float32 only");
+  for (const at::Tensor* t : {&table, &q_pos, &meta})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "int64 tables");
+  for (const at::Tensor* t : {&k_pool, &v_pool, &out, &table, &meta})
+    TORCH_CHECK(t->is_contiguous(), "pools, table, meta and out must be contiguous");
+  const int64_t ps0 = q_pos.size(0) == 1 ? 0 : q_pos.stride(0);
+  Args a{q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+         table.data_ptr<int64_t>(), q_pos.data_ptr<int64_t>(), meta.data_ptr<int64_t>(),
+         out.data_ptr<float>(), q.size(1), k_pool.size(1), q.size(2), q.size(3),
+         v_pool.size(2), table.size(1), block_size, window, q.stride(0), q.stride(1),
+         q.stride(2), q.stride(3), ps0, q_pos.stride(1), static_cast<float>(scale)};
   const int64_t B = q.size(0);
-  a.H = q.size(1);
-  a.L = q.size(2);
-  a.E = q.size(3);
-  a.G = k_pool.size(1);
-  a.Ev = v_pool.size(2);
-  a.nb = table.size(1);
-  a.bs = block_size;
-  a.window = window;
-  a.qs0 = q.stride(0);
-  a.qs1 = q.stride(1);
-  a.qs2 = q.stride(2);
-  a.qs3 = q.stride(3);
-  a.ps0 = q_pos.size(0) == 1 ? 0 : q_pos.stride(0);
-  a.ps1 = q_pos.stride(1);
-  a.scale = static_cast<float>(scale);
   TORCH_CHECK(a.G > 0 && a.H % a.G == 0 && k_pool.size(2) == a.E, "head counts or dims disagree");
   TORCH_CHECK(out.size(0) == B && out.size(1) == a.H && out.size(2) == a.L &&
                   out.size(3) == a.Ev && table.size(0) == B && meta.size(0) == B,
@@ -478,21 +351,25 @@ Args make_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   return a;
 }
 
+template <class F>
+auto with_width(int64_t width, F f) {  // f(Kernel<V>{}) for the SIMD width asked for
+#if defined(__AVX512F__)
+  if (width == 16) return f(Kernel<Avx512>{});
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == 8) return f(Kernel<Avx2>{});
+#endif
+  TORCH_CHECK(width == 1, "SIMD width ", width, " is not in this build");
+  return f(Kernel<Scalar>{});
+}
+
 void paged_attention_simd(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                           const at::Tensor& table, const at::Tensor& q_pos, const at::Tensor& meta,
                           double scale, int64_t window, int64_t block_size, const at::Tensor& out,
                           int64_t width) {
   const Args a = make_args(q, k_pool, v_pool, table, q_pos, meta, scale, window, block_size, out);
-  const int64_t B = q.size(0);
-  if (B == 0 || a.L == 0) return;
-#if defined(__AVX512F__)
-  if (width == 16) return Kernel<Avx512>::run(a, B);
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if (width == 8) return Kernel<Avx2>::run(a, B);
-#endif
-  TORCH_CHECK(width == 1, "SIMD width ", width, " is not in this build");
-  Kernel<Scalar>::run(a, B);
+  if (q.size(0) == 0 || a.L == 0) return;
+  with_width(width, [&](auto kernel) { decltype(kernel)::run(a, q.size(0)); });
 }
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -504,14 +381,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
 
 at::Tensor vexp(const at::Tensor& x, int64_t width) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "float32 only");
-#if defined(__AVX512F__)
-  if (width == 16) return Kernel<Avx512>::exp_of(x);
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if (width == 8) return Kernel<Avx2>::exp_of(x);
-#endif
-  TORCH_CHECK(width == 1, "SIMD width ", width, " is not in this build");
-  return Kernel<Scalar>::exp_of(x);
+  return with_width(width, [&](auto kernel) { return decltype(kernel)::exp_of(x); });
 }
 
 }  // namespace
