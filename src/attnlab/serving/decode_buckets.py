@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from attnlab.backends import native
+from attnlab.backends.linear_pack import static_rows
 from attnlab.backends.plan import AttentionPlan, BlockTable, SequenceLayout, resolve
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.flat import FlatBatch, decoder_forward_flat, flat_plans
@@ -307,7 +308,7 @@ class DecodeBuckets:
         write_t = t(write + [self.scratch * bs] * pad)
         meta_t = t([v for r in meta for v in r] + [1, 0, 0] * pad).view(size, 3)
         limit = max(8, 2 * len(self.sizes))  # past it, dynamo would run a bucket eagerly
-        with torch._dynamo.config.patch(recompile_limit=limit):
+        with torch._dynamo.config.patch(recompile_limit=limit), static_rows():
             return bucket.step(ids_t, pos_t, table, meta_t, write_t)
 
 
