@@ -118,6 +118,8 @@ def _median_step(engine: Engine, steps: int) -> float:
 
 def one(streams: int, steps: int, top: int, args: argparse.Namespace) -> list[str]:
     m = model(args.model)
+    if args.pack:  # the float linears laid out for few rows (backends/linear_pack.py)
+        m.prepare_inference(rows=(1, 2, 4, 8, 16, 32))
     vocab = m.decoder_config.vocab_size
     engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
     buckets = None
@@ -198,6 +200,8 @@ def prefill_rounds(streams: int, args: argparse.Namespace) -> list[str]:
     a prompt alone, the first token's step), eager and compiled alternating, and the
     decode step beside it for scale."""
     m = model(args.model)
+    if args.pack:  # the float linears laid out for few rows (backends/linear_pack.py)
+        m.prepare_inference(rows=(1, 2, 4, 8, 16, 32))
     vocab = m.decoder_config.vocab_size
     engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
     decoders = streams - 1
@@ -264,6 +268,9 @@ def main() -> None:
         "sequences, eager against the compiled prefill step (serving/step_buckets.py)",
     )
     ap.add_argument("--new", type=int, default=1, help="fresh prompts per step (--prefill)")
+    ap.add_argument(
+        "--pack", action="store_true", help="pack the float linears first (prepare_inference)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

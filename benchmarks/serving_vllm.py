@@ -256,9 +256,14 @@ def _descendants(pid: int) -> list[int]:
     return found[1:]  # not ``timeout`` itself
 
 
+#: both servers' context length
+MAX_MODEL_LEN = 2048
+
+
 def start_attnlab(folder: Path, threads: int, seconds: int, extra: list[str]) -> Server:
     argv = [sys.executable, "-m", "attnlab.cli", "serve", str(folder), "--port", "{port}"]
-    argv += ["--threads", str(threads), *extra]
+    # the context vLLM is given (--max-model-len 2048): the same block-table width
+    argv += ["--threads", str(threads), "--max-model-len", str(MAX_MODEL_LEN), *extra]
     env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads)}
     return Server("attnlab", argv, env, seconds)
 
@@ -266,7 +271,7 @@ def start_attnlab(folder: Path, threads: int, seconds: int, extra: list[str]) ->
 def start_vllm(venv: Path, folder: Path, bind: str | None, seconds: int) -> Server:
     argv = [
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(folder), "--dtype", "float32", "--max-model-len", "2048",
+        "--model", str(folder), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--host", "127.0.0.1", "--port", "{port}",
     ]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu"}

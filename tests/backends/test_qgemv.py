@@ -64,10 +64,12 @@ def _q8(op: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Ten
     if why is not None:  # an AVX2 or scalar build: the row kernel alone runs
         pytest.skip(why)
     w, st, mt = qc.tile_weights(q, s, m, g)
+    exact16 = all(t is None or bool((t.half().float() == t).all()) for t in (s, m))
+    assert st.dtype == (torch.float16 if exact16 else torch.float32)  # GGUF's scales: float16
     return qc.qgemv_q8t(x, w, st, mt, q.shape[0])
 
 
-@pytest.mark.parametrize("op", ["rows", "tiled"])
+@pytest.mark.parametrize("op", ["rows", "tiled", "tiled16"])  # 16: float16-exact scales
 @pytest.mark.parametrize("kind,g", [("int8", 32), ("int8", 64), ("int4", 32), ("int4", 64)])
 @pytest.mark.parametrize("rows", [1, 7])  # 7: a block of four rows and three more
 def test_int8_activations_equal_the_same_arithmetic_in_float64(
@@ -76,7 +78,9 @@ def test_int8_activations_equal_the_same_arithmetic_in_float64(
     n, k = 40, 256  # 40: the tiled kernel's last tile of 16 features is part padding
     x = _x(rows, k)
     q, lv, s, m = _weights(kind, n, k, g)
-    y = _q8(op, x, q, s, m, g).double()
+    if op == "tiled16":
+        s, m = s.half().float(), None if m is None else m.half().float()
+    y = _q8(op.removesuffix("16"), x, q, s, m, g).double()
     xq, d, sx = (t.double() for t in qc.quantize_q8(x))
     b = k // 32
     dots = torch.einsum("rbj,nbj->rnb", xq.reshape(rows, b, 32), lv.reshape(n, b, 32))

@@ -193,7 +193,8 @@ def tile_weights(
     """The weights of :func:`qgemv_q8` (int8 ``q [N, K]``, or 4-bit ``[N, K/2]`` from
     :func:`repack_int4`; ``s``/``m [N, K/G]``) interleaved for :func:`qgemv_q8t`:
     levels ``[T, B, 8 | 4, 16, 4]`` uint8 (int8 levels stored as ``w + 128``), scales and
-    mins ``[T, B, 16]`` float32 per block of 32 (``T = ceil(N / 16)``, ``B = K / 32``)."""
+    mins ``[T, B, 16]`` per block of 32 (``T = ceil(N / 16)``, ``B = K / 32``), float16
+    when every scale and minimum is exactly a float16 (a GGUF file's are), else float32."""
     n = q.shape[0]
     per = group_size // 32
     if m is None:
@@ -204,11 +205,14 @@ def tile_weights(
         b = q.shape[1] // 16
         lv = _tiles(q, n).reshape(-1, 16, b, 4, 4).permute(0, 2, 3, 1, 4)
 
-    def per_block(t: Tensor) -> Tensor:  # [N, K/G] -> [T, B, 16]
-        return _tiles(t.to(torch.float32).repeat_interleave(per, 1), n).transpose(1, 2)
+    # float16 where it is exact (GGUF stores its scales so): fewer bytes streamed per token
+    exact = all(t is None or bool((t.half().float() == t).all()) for t in (s, m))
+    dtype = torch.float16 if exact else torch.float32
 
-    mt = None if m is None else per_block(m).contiguous()
-    return lv.contiguous(), per_block(s).contiguous(), mt
+    def per_block(t: Tensor) -> Tensor:  # [N, K/G] -> [T, B, 16]
+        return _tiles(t.to(dtype).repeat_interleave(per, 1), n).transpose(1, 2).contiguous()
+
+    return lv.contiguous(), per_block(s), None if m is None else per_block(m)
 
 
 def qgemv_q8t(x: Tensor, w: Tensor, s: Tensor, m: Tensor | None, n_out: int) -> Tensor:

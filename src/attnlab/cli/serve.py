@@ -100,7 +100,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with decode buckets, also compile the steps that carry new prompts (one "
-        "graph per 0/8/32 decode rows, the token count dynamic); --no-compiled-prefill: "
+        "graph for 0 and one for up to 8 decode rows, the token count dynamic); "
+        "--no-compiled-prefill: "
         "those steps run eagerly",
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")

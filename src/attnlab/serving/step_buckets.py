@@ -13,7 +13,7 @@ chunk's tokens (norms, RoPE, the gated activation). vLLM compiles its forward on
 the step's token count symbolic and runs attention as an opaque op over the step's
 metadata; this module does the same for attnlab's flat forward
 (:func:`~attnlab.models.flat.decoder_forward_flat`), one graph per decode-row bucket
-``D_b`` (default 0, 8, 32):
+``D_b`` (default 0 and 8):
 
 - the row is ``[D_b decode tokens | T chunk tokens]``; ``N`` is marked dynamic, so one
   graph runs every chunk length up to the step's token budget (no token bucket to pad
@@ -58,9 +58,10 @@ __all__ = ["ALIGN", "DEFAULT_ROWS", "PrefillBuckets"]
 
 log = logging.getLogger("attnlab.serving")
 
-#: The decode-row buckets of compiled prefill steps by default: a prompt alone, beside
-#: up to 8 and up to 32 decoding sequences.
-DEFAULT_ROWS = (0, 8, 32)
+#: The decode-row buckets of compiled prefill steps by default: a prompt alone, and
+#: beside up to 8 decoding sequences (beside 9-32, four prompts of 128 tokens measured
+#: no faster compiled, and each graph costs minutes of startup on a 30-layer model).
+DEFAULT_ROWS = (0, 8)
 #: Chunk tokens are padded up to a multiple of this (bounds the shapes the graph sees).
 ALIGN = 16
 

@@ -80,11 +80,12 @@ struct Work {
   std::vector<float> q, s, m, l, corr, acc, lof, hif;  // lof/hif: each row's range
   std::vector<int64_t> lo, hi;
   int64_t lo_max = 0, hi_min = 0;  // every row sees keys lo_max .. hi_min
-  std::vector<const float*> kp, vp;
+  std::vector<const float*> kp, vp, kn, vn;  // this tile's keys/values, the next's
+  int64_t n_next = 0;
   Work(const Args& a, int64_t mp, int64_t evp)
       : q(a.G * round_up(a.E, 16) * mp), s((kKeyTile + 4) * mp), m(a.G * mp), l(a.G * mp),
         corr(mp), acc(a.G * mp * evp), lof(mp), hif(mp), lo(kQueryTile), hi(kQueryTile),
-        kp(kKeyTile + 4), vp(kKeyTile + 4) {}
+        kp(kKeyTile + 4), vp(kKeyTile + 4), kn(kKeyTile), vn(kKeyTile) {}
 };
 
 template <class V>
@@ -141,17 +142,12 @@ struct Kernel {
     for (int64_t c = 0; c < n; c += NB) f(c, std::min<int64_t>(NB, n - c));
   }
 
-  // Keys t0 .. t0+n-1 of row b (every head's keys and values) fetched into the caches
-  // while the tile before them is computed: the loads otherwise wait on memory.
-  static void prefetch(const Args& a, int64_t b, int64_t t0, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t idx = t0 + j;
-      const int64_t sl = a.table[b * a.nb + idx / a.bs] * a.bs + idx % a.bs;
-      const char* kr = reinterpret_cast<const char*>(a.k + sl * a.G * a.E);
-      const char* vr = reinterpret_cast<const char*>(a.v + sl * a.G * a.Ev);
-      for (int64_t off = 0; off < a.G * a.E * 4; off += 64) __builtin_prefetch(kr + off);
-      for (int64_t off = 0; off < a.G * a.Ev * 4; off += 64) __builtin_prefetch(vr + off);
-    }
+  // Key j of the next tile (its key and value rows of head g) fetched into the caches
+  // while key j of this tile is computed: the loads otherwise wait on memory.
+  static void prefetch(const Work& s, int64_t j, int64_t E, int64_t Ev) {
+    if (j >= s.n_next) return;
+    for (int64_t e = 0; e < E; e += 16) __builtin_prefetch(s.kn[j] + e);
+    for (int64_t e = 0; e < Ev; e += 16) __builtin_prefetch(s.vn[j] + e);
   }
 
   // Queries w0 .. w1 - 1 of row b, every head, over the row's keys in tiles.
@@ -190,20 +186,26 @@ struct Kernel {
     std::fill(s.l.begin(), s.l.begin() + a.G * mp, 0.f);
     std::fill(s.acc.begin(), s.acc.begin() + a.G * mp * evp, 0.f);
     const int64_t rows_per_key = a.G;
-    if (hi_all >= 0) prefetch(a, b, lo_all, std::min(kKeyTile, hi_all - lo_all + 1));
+    int64_t slot[kKeyTile], next[kKeyTile];  // this tile's keys' slots, the next's
+    auto slots = [&](int64_t t0, int64_t n, int64_t* out) {
+      for (int64_t j = 0; j < n; ++j)
+        out[j] = a.table[b * a.nb + (t0 + j) / a.bs] * a.bs + (t0 + j) % a.bs;
+    };
+    if (hi_all >= 0) slots(lo_all, std::min(kKeyTile, hi_all - lo_all + 1), next);
     for (int64_t t0 = lo_all; hi_all >= 0 && t0 <= hi_all; t0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, hi_all - t0 + 1);
-      if (t0 + n <= hi_all) prefetch(a, b, t0 + n, std::min(kKeyTile, hi_all - t0 - n + 1));
-      int64_t slot[kKeyTile];
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t idx = t0 + j;
-        slot[j] = a.table[b * a.nb + idx / a.bs] * a.bs + idx % a.bs;
-      }
+      std::copy(next, next + n, slot);
+      s.n_next = std::max<int64_t>(0, std::min(kKeyTile, hi_all - t0 - n + 1));
+      slots(t0 + n, s.n_next, next);
       for (int64_t g = 0; g < a.G; ++g) {
         for (int64_t j = 0; j < n + 4; ++j) {  // past n: key 0 again (scores unused)
           const int64_t sl = slot[j < n ? j : 0];
           s.kp[j] = a.k + (sl * rows_per_key + g) * a.E;
           s.vp[j] = a.v + (sl * rows_per_key + g) * a.Ev;
+        }
+        for (int64_t j = 0; j < s.n_next; ++j) {
+          s.kn[j] = a.k + (next[j] * rows_per_key + g) * a.E;
+          s.vn[j] = a.v + (next[j] * rows_per_key + g) * a.Ev;
         }
         tile(a, s, g, t0, n, rep, nq, mp, ep, evp, dot);
       }
@@ -230,6 +232,7 @@ struct Kernel {
       const float* q = s.q.data() + g * mp * ep;
       for (int64_t j = 0; j < n; ++j) {
         const float* kr = s.kp[j];
+        prefetch(s, j, a.E, a.Ev);
         for (int64_t c = 0; c < mp; c += W) V::store(sc + j * mp + c, V::zero());  // pads
         for (int64_t m = 0; m < M; ++m) {
           T acc = V::zero();
@@ -240,6 +243,7 @@ struct Kernel {
     } else {
       const float* qt = s.q.data() + g * a.E * mp;
       for (int64_t j = 0; j < n; j += 4) {
+        for (int64_t i = j; i < j + 4; ++i) prefetch(s, i, a.E, a.Ev);
         blocks(mp / W, [&](int64_t c, int64_t nm) {
           switch (nm) {
             case 4: qk_gemm<4>(qt, mp, a.E, s.kp.data() + j, sc + j * mp, c); break;

@@ -8,7 +8,9 @@
 //   Q8_0  packed [T, B, 8, 16, 4] uint8 = w + 128   (T = N/16 tiles, B = K/32 blocks)
 //   Q4    packed [T, B, 4, 16, 4] uint8: the 16 GGUF bytes of a block (byte j: element j
 //         low nibble, j + 16 high) in groups of 4 bytes
-//   scales (and mins) [T, B, 16] float32 (per block; a group wider than 32 repeated)
+//   scales (and mins) [T, B, 16] per block (a group wider than 32 repeated), float32, or
+//         float16 where every value is exactly a float16 (GGUF's own scales): 2 bytes
+//         less a block and feature, 17% of a Q4_1 tile's bytes
 // and vpdpbusd with the activations' 4 bytes broadcast accumulates the block's dot for
 // all 16 features in one register: 8 (Q8) or 8 (Q4, two nibble halves) vpdpbusd, one
 // int32 -> float conversion and one fma per block and tile. The int32 dot is exact:
@@ -40,6 +42,11 @@ namespace {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kTiled = true;
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 float16 values, exactly widened
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -50,8 +57,8 @@ inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes in every 32-bit 
 //   wt: the tile's levels (B blocks of kBlock bytes); st, mt: [B, 16] scales and mins
 //   xq: row r0's levels (row stride K), xd/sx/xs: row r0's block scales, Q8_1 sums and
 //   -128 * level sums (row stride B); out: MR x 16 floats.
-template <int MR, bool Q4>
-void tile(int64_t B, int64_t K, const uint8_t* wt, const float* st, const float* mt,
+template <int MR, bool Q4, class S>
+void tile(int64_t B, int64_t K, const uint8_t* wt, const S* st, const S* mt,
           const int8_t* xq, const float* xd, const float* sx, const int32_t* xs, float* out) {
   constexpr int64_t kBlock = Q4 ? 256 : 512;
   __m512 y[MR];
@@ -89,29 +96,29 @@ void tile(int64_t B, int64_t K, const uint8_t* wt, const float* st, const float*
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(st + b * 16);
+    const __m512 s = load16(st + b * 16);
     for (int r = 0; r < MR; ++r) {
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r], acc2[r]));
       y[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xd[r * B + b])), y[r]);
     }
     if constexpr (Q4) {
-      const __m512 m = _mm512_loadu_ps(mt + b * 16);
+      const __m512 m = load16(mt + b * 16);
       for (int r = 0; r < MR; ++r) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * B + b]), y[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * 16, y[r]);
 }
 
-template <bool Q4>
+template <bool Q4, class S>
 void run_tiles(int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1, const uint8_t* wp,
-               const float* sp, const float* mp, const int8_t* xq, const float* xd,
+               const S* sp, const S* mp, const int8_t* xq, const float* xd,
                const float* sx, const int32_t* xs, float* yp) {
   const int64_t B = K / 32, tile_bytes = B * (Q4 ? 256 : 512);
   float out[4 * 16];
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = wp + t * tile_bytes;
-    const float* st = sp + t * B * 16;
-    const float* mt = Q4 ? mp + t * B * 16 : nullptr;
+    const S* st = sp + t * B * 16;
+    const S* mt = Q4 ? mp + t * B * 16 : nullptr;
     const int64_t n0 = t * 16, valid = std::min<int64_t>(16, N - n0);
     for (int64_t r0 = 0; r0 < M;) {
       const int64_t mr = std::min<int64_t>(4, M - r0);
@@ -119,10 +126,10 @@ void run_tiles(int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1, const ui
       const float *d = xd + r0 * B, *s = sx + r0 * B;
       const int32_t* c = xs + r0 * B;
       switch (mr) {
-        case 4: tile<4, Q4>(B, K, wt, st, mt, x, d, s, c, out); break;
-        case 3: tile<3, Q4>(B, K, wt, st, mt, x, d, s, c, out); break;
-        case 2: tile<2, Q4>(B, K, wt, st, mt, x, d, s, c, out); break;
-        default: tile<1, Q4>(B, K, wt, st, mt, x, d, s, c, out); break;
+        case 4: tile<4, Q4, S>(B, K, wt, st, mt, x, d, s, c, out); break;
+        case 3: tile<3, Q4, S>(B, K, wt, st, mt, x, d, s, c, out); break;
+        case 2: tile<2, Q4, S>(B, K, wt, st, mt, x, d, s, c, out); break;
+        default: tile<1, Q4, S>(B, K, wt, st, mt, x, d, s, c, out); break;
       }
       for (int64_t r = 0; r < mr; ++r)
         std::memcpy(yp + (r0 + r) * N + n0, out + r * 16, valid * sizeof(float));
@@ -148,12 +155,15 @@ at::Tensor qgemv_q8t(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                   w.numel() == T * B * kb,
               "tiled levels must be contiguous uint8 with ", T * B * kb, " bytes for N = ",
               n_out, ", K = ", K, ", got ", w.sizes(), " ", w.scalar_type());
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == T * B * 16,
-              "tiled scales must be contiguous float32 [T, B, 16] = [", T, ", ", B, ", 16], got ",
-              s.sizes());
+  const bool half = s.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || s.scalar_type() == at::kFloat) && s.is_contiguous() &&
+                  s.numel() == T * B * 16,
+              "tiled scales must be contiguous float32 or float16 [T, B, 16] = [", T, ", ", B,
+              ", 16], got ", s.sizes(), " ", s.scalar_type());
   if (q4)
-    TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == s.sizes(),
-                "tiled mins must be contiguous float32 like the scales");
+    TORCH_CHECK(m->scalar_type() == s.scalar_type() && m->is_contiguous() &&
+                    m->sizes() == s.sizes(),
+                "tiled mins must be contiguous and of the scales' dtype and shape");
   at::Tensor y = at::empty({M, n_out}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   thread_local std::vector<int8_t> xq;
@@ -178,17 +188,23 @@ at::Tensor qgemv_q8t(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   else
     quantize(0, nb);
   const auto* wp = w.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* mp = q4 ? m->data_ptr<float>() : nullptr;
+  const void* sp = s.data_ptr();
+  const void* mp = q4 ? m->data_ptr() : nullptr;
   float* yp = y.data_ptr<float>();
   // about 64 KiB of weights per task, times the rows: small layers stay on one thread
   const int64_t work = B * kb * std::max<int64_t>(1, std::min<int64_t>(M, 16));
   const int64_t grain = std::max<int64_t>(1, 65536 / work);
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    if (q4)
-      run_tiles<true>(M, n_out, K, t0, t1, wp, sp, mp, q, d, sx, c, yp);
+    auto run = [&](auto* sp_, auto* mp_) {
+      if (q4)
+        run_tiles<true>(M, n_out, K, t0, t1, wp, sp_, mp_, q, d, sx, c, yp);
+      else
+        run_tiles<false>(M, n_out, K, t0, t1, wp, sp_, mp_, q, d, sx, c, yp);
+    };
+    if (half)
+      run(static_cast<const uint16_t*>(sp), static_cast<const uint16_t*>(mp));
     else
-      run_tiles<false>(M, n_out, K, t0, t1, wp, sp, mp, q, d, sx, c, yp);
+      run(static_cast<const float*>(sp), static_cast<const float*>(mp));
   });
 #endif
   return y;
