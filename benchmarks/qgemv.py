@@ -1,13 +1,19 @@
 """One-row quantized matmuls (a decode step's shapes): attnlab's ``fused`` kernel (float32
-activations) and ``q8dot`` (int8 activation blocks, as llama.cpp) against torch's
+activations), ``q8dot`` and ``q8tile`` (int8 activation blocks, as llama.cpp; ``q8tile``
+over weights interleaved in tiles of 16 features, AVX-512 VNNI builds) against torch's
 ``int4pack`` and ``int8groups`` (bfloat16 activations), SmolLM2-135M's shapes.
 
 Each layer is quantized from random weights (Q4_1 = ``int4:g32``, Q8_0 = ``int8:g32``); the
 fused kernel's error against a float64 dequantize-then-multiply is printed with its time.
 
+``--sequence`` times a whole decode step's worth of distinct matrices instead (30 layers of
+SmolLM2's 7 shapes and the 49152-row head, random levels, float16-exact scales as in a
+GGUF file), so the weights stream from memory as in decoding, per kernel and file type.
+
 Usage::
 
     python benchmarks/qgemv.py --threads 1
+    python benchmarks/qgemv.py --threads 2 --sequence
 """
 
 from __future__ import annotations
@@ -34,13 +40,65 @@ def best_us(fn: Callable[[], object], n: int = 50) -> float:
     return best * 1e6
 
 
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+
+def sequence(rows: int) -> None:
+    """ms per token of 211 distinct one-row matmuls (cold weights), q8dot against q8tile."""
+    from attnlab.backends.qmatmul_cpu import qgemv_q8, qgemv_q8t, tile_weights, tiled_unavailable
+
+    gen = torch.Generator().manual_seed(0)
+    for kind in ("Q8_0", "Q4_1"):
+        mats = []
+        for n, k in LAYER * 30 + [(49152, 576)]:
+            s = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+            if kind == "Q8_0":
+                q, m = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), None
+            else:
+                q, m = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen), -8 * s
+            mats.append((n, k, q, s, m))
+        x = {k: torch.randn(rows, k) for k in (576, 1536)}
+        calls = {"q8dot": [functools.partial(qgemv_q8, x[k], q, s, m, 32)
+                           for n, k, q, s, m in mats]}  # fmt: skip
+        if tiled_unavailable() is None:
+            calls["q8tile"] = [functools.partial(qgemv_q8t, x[k], *tile_weights(q, s, m, 32), n)
+                               for n, k, q, s, m in mats]  # fmt: skip
+        mb = sum(q.numel() * q.element_size() + s.numel() * 2 * (2 if m is not None else 1)
+                 for _, _, q, s, m in mats) / 1e6  # fmt: skip
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(8):  # alternating rounds
+            for name, fns in calls.items():
+                t0 = time.perf_counter()
+                for fn in fns:
+                    fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        print(f"{kind}, {rows} row(s), {mb:.0f} MB of GGUF weights a token: "
+              + ", ".join(f"{k} {v * 1e3:.2f} ms ({mb / 1e3 / v:.1f} GB/s)"
+                          for k, v in best.items()), flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sequence", action="store_true", help="a decode step's distinct matrices")
+    p.add_argument("--rows", type=int, default=1, help="rows of activations (--sequence)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sequence:
+        print(f"{torch.get_num_threads()} thread(s)")
+        sequence(args.rows)
+        return
     from attnlab.backends.qmatmul import KERNELS
-    from attnlab.backends.qmatmul_cpu import int8_dot, qgemv, qgemv_q8, repack_int4, unavailable
+    from attnlab.backends.qmatmul_cpu import (
+        int8_dot,
+        qgemv,
+        qgemv_q8,
+        qgemv_q8t,
+        repack_int4,
+        tile_weights,
+        tiled_unavailable,
+        unavailable,
+    )
     from attnlab.modules.quant_linear import Int4Linear, Int8Linear
 
     why = unavailable()
@@ -64,10 +122,21 @@ def main() -> None:
             f8 = best_us(functools.partial(qgemv, x, l8.qweight, l8.scales, None, 32))
             d4 = best_us(functools.partial(qgemv_q8, x, q4, l4.scales, l4.mins, 32))
             d8 = best_us(functools.partial(qgemv_q8, x, l8.qweight, l8.scales, None, 32))
+            tiled = ""
+            if tiled_unavailable() is None:
+                t4 = best_us(
+                    functools.partial(qgemv_q8t, x, *tile_weights(q4, l4.scales, l4.mins, 32), n)
+                )
+                t8 = best_us(
+                    functools.partial(
+                        qgemv_q8t, x, *tile_weights(l8.qweight, l8.scales, None, 32), n
+                    )
+                )
+                tiled = f", q8tile Q4 {t4:.0f}, q8tile Q8_0 {t8:.0f}"
             i4 = best_us(functools.partial(KERNELS["int4pack"].run, l4, xb))
             i8 = best_us(functools.partial(KERNELS["int8groups"].run, l8, xb))
         print(f"{n} x {k}: fused Q4 {f4:.0f} (err {float(err4):.1e}), fused Q8_0 {f8:.0f} "
-              f"(err {float(err8):.1e}), q8dot Q4 {d4:.0f}, q8dot Q8_0 {d8:.0f}, "
+              f"(err {float(err8):.1e}), q8dot Q4 {d4:.0f}, q8dot Q8_0 {d8:.0f}{tiled}, "
               f"int4pack bf16 {i4:.0f}, int8groups bf16 {i8:.0f}",
               flush=True)  # fmt: skip
 
