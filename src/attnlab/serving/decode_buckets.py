@@ -40,9 +40,11 @@ import torch
 from torch import Tensor
 
 from attnlab.backends import native
+from attnlab.backends.linear_pack import static_rows
 from attnlab.backends.plan import AttentionPlan, BlockTable, SequenceLayout, resolve
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.flat import FlatBatch, decoder_forward_flat, flat_plans
+from attnlab.models.inference import pack_model, packing_report
 
 if TYPE_CHECKING:
     from attnlab.serving.runner import ModelRunner
@@ -187,6 +189,9 @@ class DecodeBuckets:
         sizes: the bucket sizes ``B`` (a step of ``n`` sequences runs in the smallest
             ``B >= n``; more than the largest runs eagerly).
         max_model_len: the longest context a sequence may reach (the tables' width).
+        pack: lay out the model's float linears for the bucket sizes first
+            (:func:`attnlab.models.inference.pack_model`: each layer's kernel measured per
+            size; the eager steps use them too).
 
     Raises:
         ValueError: sizes that are not positive ints, or a model the buckets cannot run
@@ -194,7 +199,12 @@ class DecodeBuckets:
     """
 
     def __init__(
-        self, runner: ModelRunner, sizes: Sequence[int] = DEFAULT_SIZES, *, max_model_len: int
+        self,
+        runner: ModelRunner,
+        sizes: Sequence[int] = DEFAULT_SIZES,
+        *,
+        max_model_len: int,
+        pack: bool = True,
     ) -> None:
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"decode bucket sizes must be positive ints, got {sizes!r}")
@@ -204,6 +214,11 @@ class DecodeBuckets:
         use_inductor_cache()
         self.runner = runner
         self.sizes = tuple(sorted(set(sizes)))
+        if pack:  # the float linears laid out for these row counts, before any tracing
+            t = time.perf_counter()
+            pack_model(runner.model, rows=self.sizes)
+            report = packing_report(runner.model)["kernels"]
+            log.info("packed linears in %.1f s: %s", time.perf_counter() - t, report)
         bs = runner.manager.block_size
         self.width = -(-max_model_len // bs)
         self.scratch = runner.pool.num_blocks  # the pool's spare block
@@ -293,7 +308,7 @@ class DecodeBuckets:
         write_t = t(write + [self.scratch * bs] * pad)
         meta_t = t([v for r in meta for v in r] + [1, 0, 0] * pad).view(size, 3)
         limit = max(8, 2 * len(self.sizes))  # past it, dynamo would run a bucket eagerly
-        with torch._dynamo.config.patch(recompile_limit=limit):
+        with torch._dynamo.config.patch(recompile_limit=limit), static_rows():
             return bucket.step(ids_t, pos_t, table, meta_t, write_t)
 
 

@@ -186,15 +186,21 @@ class ModelRunner:
         self.prefill: PrefillBuckets | None = None
 
     def compile_buckets(
-        self, sizes: Sequence[int] = DEFAULT_SIZES, *, max_model_len: int, warm: bool = True
+        self,
+        sizes: Sequence[int] = DEFAULT_SIZES,
+        *,
+        max_model_len: int,
+        warm: bool = True,
+        pack: bool = True,
     ) -> DecodeBuckets:
         """Run decode-only steps through forwards compiled once per bucket size
-        (:mod:`attnlab.serving.decode_buckets`); ``warm``: compile them all now.
+        (:mod:`attnlab.serving.decode_buckets`); ``warm``: compile them all now; ``pack``:
+        lay out the float linears for those sizes first (``DecodeBuckets``'s ``pack``).
 
         Raises:
             ValueError: a model the buckets cannot run (the reason), or bad sizes.
         """
-        self.buckets = DecodeBuckets(self, sizes, max_model_len=max_model_len)
+        self.buckets = DecodeBuckets(self, sizes, max_model_len=max_model_len, pack=pack)
         if warm:
             self.buckets.warm()
         return self.buckets
