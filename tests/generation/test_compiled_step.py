@@ -92,6 +92,38 @@ def test_compiled_generation_reads_the_prefix_in_one_graph(
     assert counter.frame_count == 2, counter.frame_count  # padded, unpadded: one graph each
 
 
+def test_compiled_generation_lays_out_the_linears_once_per_row_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled path packs the float linears for its batch's row bucket before
+    tracing (``lay_out_linears``), once; the tokens are those of the unpacked eager loop;
+    a user's own packing for those rows is kept, and training mode is left alone."""
+    from attnlab.generation.compiled import lay_out_linears
+    from attnlab.models.inference import packed_linears, unpack_model
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the same step, eagerly
+    torch.manual_seed(0)
+    model = DecoderLM(MODELS["llama"]()).eval()
+    ids, mask = _prompt()
+    eager = generate(model, ids, 12, attention_mask=mask, compile=False)
+    assert not packed_linears(model)
+    assert torch.equal(generate(model, ids, 12, attention_mask=mask, compile=True), eager)
+    packed = packed_linears(model)
+    assert len(packed) == 2 * 7 + 1 and all(p.rows == (2,) for p in packed.values())
+    lay_out_linears(model, 2)  # done for this bucket: the same objects
+    assert all(a is b for a, b in zip(packed_linears(model).values(), packed.values()))
+    lay_out_linears(model, 1)  # a new bucket: packed again for both
+    assert all(p.rows == (1, 2) for p in packed_linears(model).values())
+    unpack_model(model)
+    model.prepare_inference(rows=(4,))  # the user's packing, for these rows: kept
+    mine = packed_linears(model)
+    lay_out_linears(model, 3)
+    assert packed_linears(model) == mine
+    trained = DecoderLM(MODELS["llama"]())
+    lay_out_linears(trained, 2)
+    assert not packed_linears(trained)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_step_given_its_key_slots_reads_only_them(padded: bool) -> None:
     """``key_slots`` (the prefix written so far): the static cache hands over those slots

@@ -34,6 +34,7 @@ __all__ = [
     "compile_report",
     "compiled_decode_step",
     "keep_static_cache",
+    "lay_out_linears",
     "release_static_cache",
     "static_cache",
 ]
@@ -222,6 +223,47 @@ def compiled_decode_step(model: nn.Module) -> Any:
 
         model.__dict__["_compiled_decode_step"] = step
     return step
+
+
+def lay_out_linears(model: nn.Module, batch_size: int) -> None:
+    """Lay out ``model``'s float linears (and a tied head) for decode steps of
+    ``batch_size`` rows, once per row bucket, before the step is traced.
+
+    The decode step multiplies a few rows by every weight; ``F.linear``'s GEMM against
+    the transposed weight is slow at those shapes (the round-one benchmark's
+    ``[8, 256] x [256, 32000]`` head: 3.3 ms, against 1.6 ms with the weight stored
+    transposed), so the compiled step runs
+    :func:`attnlab.models.inference.pack_model`'s kernels, chosen per shape by
+    measurement (float32 sums either way: the same tokens up to rounding ties). The
+    model is changed in place (same parameters and state dict; a laid-out copy of a
+    weight where a kernel reads one: ``packing_report(model)["extra_bytes"]``);
+    ``attnlab.models.inference.unpack_model(model)`` undoes it. A new row bucket packs
+    the model again (its other compiled graphs then recompile once); a model the user
+    packed (or unpacked) for these rows is left as it is, as are quantized and non-CPU
+    layers.
+    """
+    from attnlab.backends.linear_pack import MAX_ROWS, row_bucket
+    from attnlab.models.inference import pack_model, packed_linears, packing_report
+
+    bucket = row_bucket(batch_size)
+    if bucket > MAX_ROWS or model.training:
+        return  # GEMM-shaped rows: F.linear by rule; training: the plain layers
+    tried: set[int] = model.__dict__.setdefault("_packed_rows", set())
+    packed = packed_linears(model)
+    if bucket in tried or (packed and all(bucket in p.rows for p in packed.values())):
+        return  # done before (or by the user, for these rows)
+    tried.add(bucket)
+    rows = tried.union(*(p.rows for p in packed.values()))
+    t0 = time.perf_counter()
+    pack_model(model, rows=sorted(rows))
+    report = packing_report(model)
+    if not report["kernels"]:
+        return  # nothing to lay out (quantized layers, another device)
+    logger.info(
+        "laid out %s's linears for %s-row steps in %.1f s: %s (%.0f MB of copies)",
+        type(model).__name__, sorted(rows), time.perf_counter() - t0, report["kernels"],
+        report["extra_bytes"] / 1e6,
+    )  # fmt: skip
 
 
 def static_cache(model: nn.Module, cache: Any, b: int, needed: int) -> Any:

@@ -29,6 +29,7 @@ from attnlab.generation.compiled import (
     compile_decision,
     compiled_decode_step,
     keep_static_cache,
+    lay_out_linears,
     static_cache,
 )
 from attnlab.generation.inputs import (
@@ -172,6 +173,7 @@ class _DecoderSteps:
 
             floats = [t.dtype for t in model.parameters() if t.is_floating_point()]
             measure_kernels(model, b, floats[0] if floats else torch.float32)
+            lay_out_linears(model, b)  # the float ones: laid out and measured per shape
         # models without a trusted decode step (recurrent) run their forward
         self.step_fn: Any = (
             compiled_decode_step(model) if compiled else getattr(model, "decode_step", None)
