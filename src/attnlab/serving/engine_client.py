@@ -56,7 +56,8 @@ class EngineProcess:
         threads: the core's torch intra-op threads (None: torch's default).
         cpus: pin the core to these CPUs and this process to the others (when some are
             left), or None to leave both to the OS scheduler.
-        start_timeout: seconds to wait for the core's engine.
+        start_timeout: seconds to wait for the core's engine (its first start compiles
+            the model's steps: minutes on a slow or busy machine).
 
     Attributes:
         info: what the core reported once ready (``name``, ``vocab_size``,
@@ -70,7 +71,7 @@ class EngineProcess:
         *,
         threads: int | None = None,
         cpus: list[int] | None = None,
-        start_timeout: float = 600.0,
+        start_timeout: float = 1800.0,
     ) -> None:
         # a fresh interpreter, not multiprocessing's spawn, which re-runs the caller's
         # ``__main__`` module (a script without a main guard would start a second server)
@@ -110,8 +111,13 @@ class EngineProcess:
                 )
             if time.monotonic() > deadline:
                 self.process.kill()
-                self.process.wait(5)
-                raise RuntimeError(f"the engine process was not ready after {timeout} s")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(30)  # a large process under load can take a while
+                raise RuntimeError(
+                    f"the engine process was not ready after {timeout:.0f} s (the first start "
+                    "of a model compiles its steps; --decode-buckets off starts without "
+                    "compiling)"
+                )
         try:
             kind, payload = self._conn.recv()
         except EOFError:
@@ -133,7 +139,8 @@ class EngineProcess:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)  # SIGKILLed: it goes, however long the teardown
 
     # ------------------------------------------------------------------ lifecycle
 
