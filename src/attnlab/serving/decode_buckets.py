@@ -121,6 +121,41 @@ def bucket_refusal(runner: ModelRunner) -> str | None:
     return None
 
 
+def kernel_plans(
+    runner: ModelRunner, rows: int, *, width: int, scratch: int, what: str
+) -> tuple[dict[str, tuple[int, ...]], SequenceLayout, dict[int | None, AttentionPlan]]:
+    """The template of ``rows`` decode rows, each over a ``width``-block table of the
+    scratch block, that a compiled step is traced with: the block tables' host metadata,
+    the rows' layout, and the flat forward's plans (one per sliding window) with the
+    ``paged_kernel`` backend chosen. Raises ValueError naming ``what`` when the kernel
+    cannot run them."""
+    model = runner.model
+    assert isinstance(model, DecoderLM)
+    bs = runner.manager.block_size
+    zeros = (0,) * rows
+    host = dict(lengths=(width * bs,) * rows, offsets=zeros, first_block=zeros)
+    table = torch.full((rows, width), scratch, dtype=torch.long)
+    meta = torch.tensor([[1, 0, 0]] * rows, dtype=torch.long)
+    blocks = BlockTable(table=table, block_size=bs, meta=meta, **host)  # type: ignore[arg-type]
+    layout = SequenceLayout.from_lengths([1] * rows, blocks=blocks)
+    batch = FlatBatch(
+        positions=torch.zeros(1, rows, dtype=torch.long),
+        layout=layout,
+        last=torch.arange(rows),
+        blocks=blocks,
+        write_slots=torch.zeros(rows, dtype=torch.long),
+    )
+    x = model._float_param().new_empty((1, rows, model.decoder_config.hidden_size))
+    plans: dict[int | None, AttentionPlan] = {}
+    for window, plan in flat_plans(model, x, batch, runner.cache).items():
+        try:
+            kernel = resolve(plan.call, "paged_kernel")
+        except ValueError as e:
+            raise ValueError(f"the paged_kernel backend cannot run {what}: {e}") from None
+        plans[window] = replace(plan, backend=kernel, group_backends=())
+    return host, layout, plans
+
+
 class _Bucket:
     """One bucket size ``B``: its plans (backend chosen), its layout and its compiled step."""
 
@@ -132,29 +167,9 @@ class _Bucket:
         self.block_size = bs
         self.layout = _template_layout(size)
         self.last = torch.arange(size)
-        zeros = (0,) * size
-        self.host = dict(lengths=(width * bs,) * size, offsets=zeros, first_block=zeros)
-        table = torch.full((size, width), scratch, dtype=torch.long)
-        meta = torch.tensor([[1, 0, 0]] * size, dtype=torch.long)
-        blocks = BlockTable(table=table, block_size=bs, meta=meta, **self.host)  # type: ignore[arg-type]
-        pos = torch.zeros(1, size, dtype=torch.long)
-        batch = FlatBatch(
-            positions=pos,
-            layout=SequenceLayout.from_lengths([1] * size, blocks=blocks),
-            last=self.last,
-            blocks=blocks,
-            write_slots=torch.zeros(size, dtype=torch.long),
+        self.host, _, self.plans = kernel_plans(
+            runner, size, width=width, scratch=scratch, what="the decode step"
         )
-        x = model._float_param().new_empty((1, size, model.decoder_config.hidden_size))
-        self.plans: dict[int | None, AttentionPlan] = {}
-        for window, plan in flat_plans(model, x, batch, runner.cache).items():
-            try:
-                kernel = resolve(plan.call, "paged_kernel")
-            except ValueError as e:
-                raise ValueError(
-                    f"the paged_kernel backend cannot run the decode step: {e}"
-                ) from None
-            self.plans[window] = replace(plan, backend=kernel, group_backends=())
         self.step: Callable[..., Tensor] = torch.compile(self._forward, dynamic=False)
         self.seconds: float | None = None
 

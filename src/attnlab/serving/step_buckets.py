@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab.backends.plan import AttentionPlan, BlockTable, SeqGroup, SequenceLayout, resolve
+from attnlab.backends.plan import BlockTable, SeqGroup
 from attnlab.models.decoder import DecoderLM
-from attnlab.models.flat import FlatBatch, decoder_forward_flat, flat_plans
+from attnlab.models.flat import FlatBatch, decoder_forward_flat
 
 if TYPE_CHECKING:
     from attnlab.serving.runner import ModelRunner
@@ -78,29 +78,11 @@ class _PrefillBucket:
         bs = runner.manager.block_size
         self.block_size = bs
         d = max(rows, 1)  # the kernel's template call (no decode row: never called)
-        zeros = (0,) * d
-        self.host = dict(lengths=(width * bs,) * d, offsets=zeros, first_block=zeros)
-        table = torch.full((d, width), scratch, dtype=torch.long)
-        meta = torch.tensor([[1, 0, 0]] * d, dtype=torch.long)
-        blocks = BlockTable(table=table, block_size=bs, meta=meta, **self.host)  # type: ignore[arg-type]
-        self.template = SequenceLayout.from_lengths([1] * d, blocks=blocks)
-        batch = FlatBatch(
-            positions=torch.zeros(1, d, dtype=torch.long),
-            layout=self.template,
-            last=torch.arange(d),
-            blocks=blocks,
-            write_slots=torch.zeros(d, dtype=torch.long),
+        from attnlab.serving.decode_buckets import kernel_plans
+
+        self.host, self.template, self.plans = kernel_plans(
+            runner, d, width=width, scratch=scratch, what="the decode rows"
         )
-        x = model._float_param().new_empty((1, d, model.decoder_config.hidden_size))
-        self.plans: dict[int | None, AttentionPlan] = {}
-        for window, plan in flat_plans(model, x, batch, runner.cache).items():
-            try:
-                kernel = resolve(plan.call, "paged_kernel")
-            except ValueError as e:
-                raise ValueError(
-                    f"the paged_kernel backend cannot run the decode rows: {e}"
-                ) from None
-            self.plans[window] = replace(plan, backend=kernel, group_backends=())
         self.decode_index = torch.arange(rows)
         self.logits_rows = rows + max_chunks
         self.step: Callable[..., Tensor] = torch.compile(self._forward)
