@@ -4,8 +4,8 @@ Self-attention projects the same ``x`` three times (``q_proj``, ``k_proj``, ``v_
 a gated MLP twice (``gate_proj``, ``up_proj``). A decode step multiplies a few rows, so each
 of those calls costs about as much in launch and dispatch as in arithmetic; stacking the
 weights along the output features makes one call of each group, 4 matmuls per layer
-instead of 7 (what vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` load
-into, and what llama.cpp's converted ``attn_qkv`` tensors hold):
+instead of 7 (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` hold their
+weights this way, as GGUF's ``attn_qkv`` tensor does for the architectures that store one):
 
     y = x [W_q; W_k; W_v]^T + [b_q; b_k; b_v]        # [..., N_q + N_k + N_v]
     q, k, v = y.split((N_q, N_k, N_v), dim=-1)      # views, no copy
@@ -15,10 +15,12 @@ layers it was built from (never registered as submodules, so ``state_dict``,
 ``parameters()`` and tying are unchanged) and a concatenated copy of their weights,
 multiplied by a :class:`~attnlab.backends.linear_pack.PackedLinear` (its kernel measured per
 row bucket like any other linear) for float32/bfloat16 CPU weights, ``F.linear``
-elsewhere, or a quantized layer's own ``concatenate`` for int8/int4 layers. An eager call
-notices a source written in place, replaced or converted (version counters, data pointers,
-dtypes) and builds the copy again; a compiled graph keeps the copy it was traced with. A
-call that needs gradients raises. Built by :func:`attnlab.models.fuse.fuse_projections`.
+elsewhere, or one quantized layer joined from int8/int4 (GGUF Q8_0/Q4_0/Q4_1) layers
+(``concat_quant_linears``: levels, scales and minimums concatenated, never re-rounded).
+An eager call notices a source written in place, replaced or converted (version counters,
+data pointers, dtypes) and builds the copy again; a compiled graph keeps the copy it was
+traced with. A call that needs gradients raises. Built by
+:func:`attnlab.models.fuse.fuse_projections`.
 
 Shape notation: ``K`` input features, ``N_i`` output features of the ``i``-th layer.
 """
@@ -26,7 +28,7 @@ Shape notation: ``K`` input features, ``N_i`` output features of the ``i``-th la
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +60,23 @@ def _quant_base() -> type[nn.Module]:
     return QuantLinear
 
 
+def _quant_concat() -> Callable[[list[nn.Module]], nn.Module] | None:
+    """The quantized layers' exact concatenation (levels, scales and minimums joined,
+    never re-rounded), or None where this build has none."""
+    try:
+        from attnlab.modules.quant_concat import concat_quant_linears
+    except ImportError:
+        return None
+    return concat_quant_linears  # type: ignore[return-value]
+
+
 def fusion_refusal(layers: Sequence[nn.Module], names: Sequence[str]) -> str | None:
     """Why ``layers`` (named ``names``) cannot be multiplied as one, or None.
 
     Fusable: plain float ``nn.Linear`` (or packed) layers of one dtype and device, or
-    quantized layers of one class, group size, kernel and compute policy whose class has
-    a ``concatenate`` method; all of one input width.
+    quantized layers of one class, group size, kernel and compute policy
+    (``attnlab.modules.quant_concat.concat_quant_linears`` joins them exactly); all of
+    one input width.
     """
     if len(layers) < 2:
         return f"needs at least two layers, got {len(layers)}"
@@ -88,9 +101,8 @@ def fusion_refusal(layers: Sequence[nn.Module], names: Sequence[str]) -> str | N
         return None
     if len(kinds) != 1:
         return f"layers of different kinds: {sorted(kinds)}"
-    first = layers[0]
-    if not callable(getattr(type(first), "concatenate", None)):
-        return f"{type(first).__name__} has no concatenate method (quantized fusion unavailable)"
+    if _quant_concat() is None:
+        return "this build cannot concatenate quantized layers (no concat_quant_linears)"
     same = {(q.group_size, q.kernel, q.compute) for q in layers}  # type: ignore[union-attr]
     if len(same) != 1:
         return f"group sizes/kernels/compute policies differ: {sorted(map(str, same))}"
@@ -139,8 +151,9 @@ class FusedProjection:
         layer's levels, scales and minimums)."""
         out: list[Tensor] = []
         for layer in self.layers:
-            if self.quantized:
+            if self.quantized:  # the rows, or the tiles that replaced them
                 out.extend(layer.buffers(recurse=False))
+                out.extend(t for t in getattr(layer, "tiles", None) or () if t is not None)
             else:
                 out.append(_weight(layer))
             bias = getattr(layer, "bias", None)
@@ -157,7 +170,9 @@ class FusedProjection:
         self._built_stamp = self._stamp()
         self.packed = self.quant = self.weight = self.bias = None
         if self.quantized:
-            self.quant = type(self.layers[0]).concatenate(list(self.layers))  # type: ignore[attr-defined]
+            concat = _quant_concat()
+            assert concat is not None
+            self.quant = concat(list(self.layers))
             return
         # a normal tensor even when fused under inference_mode (its version counter is read)
         with torch.inference_mode(False), torch.no_grad():
