@@ -148,26 +148,33 @@ class FusedProjection:
 
     def _sources(self) -> list[Tensor]:
         """The tensors the fused copy is derived from (weights, biases; a quantized
-        layer's levels, scales and minimums)."""
+        layer's levels, scales and minimums, or the tiles that replaced them); read from
+        the modules' own dicts (this runs at every eager call)."""
         out: list[Tensor] = []
         for layer in self.layers:
-            if self.quantized:  # the rows, or the tiles that replaced them
-                out.extend(layer.buffers(recurse=False))
+            if self.quantized:
+                out.extend(layer._buffers.values())
                 out.extend(t for t in getattr(layer, "tiles", None) or () if t is not None)
             else:
-                out.append(_weight(layer))
-            bias = getattr(layer, "bias", None)
-            if isinstance(bias, Tensor):
+                out.append(layer._parameters["weight"])
+            bias = layer._parameters.get("bias")
+            if bias is not None:
                 out.append(bias)
         return out
 
-    def _stamp(self) -> tuple[object, ...]:
-        return tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in self._sources())
+    def _stale(self) -> bool:
+        """Whether a source was written in place, replaced, cast or moved since the copy
+        was built (version counters and data pointers: a cast or a move gives a parameter
+        new storage)."""
+        now = self._sources()
+        if len(now) != len(self._tensors) or any(a is not b for a, b in zip(now, self._tensors)):
+            return True
+        return [(t._version, t.data_ptr()) for t in now] != self._marks
 
     def _build(self) -> None:
         """Concatenate the sources (and lay the float copy out)."""
         self._tensors = self._sources()
-        self._built_stamp = self._stamp()
+        self._marks = [(t._version, t.data_ptr()) for t in self._tensors]
         self.packed = self.quant = self.weight = self.bias = None
         if self.quantized:
             concat = _quant_concat()
@@ -219,7 +226,7 @@ class FusedProjection:
                 "run it under torch.no_grad()/torch.inference_mode(), or unfuse the model "
                 "(attnlab.models.inference.unpack_model) to train"
             )
-        if not torch.compiler.is_compiling() and self._stamp() != self._built_stamp:
+        if not torch.compiler.is_compiling() and self._stale():
             log.info("%s changed in place (or moved): fused again", list(self.names))
             self._build()
         if self.quant is not None:
