@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -46,10 +47,8 @@ def smollm2_file() -> Path:
 
 def rss_mib() -> tuple[float, float]:
     """(resident now after giving freed heap back, peak), MiB."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     now = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
