@@ -144,3 +144,31 @@ def test_the_inductor_cache_variable_is_set_before_anything_compiles(
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")
     assert use_inductor_cache() == "/somewhere"  # the user's choice is kept
+
+
+def test_the_warm_gate_answers_503_until_open_except_to_the_warm_up() -> None:
+    from attnlab.serving.http_warmup import WARM_HEADER, WarmGate
+
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    gate = WarmGate(app)
+
+    def call(headers: list[tuple[bytes, bytes]]) -> int:
+        sent: list[Any] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/models", "headers": headers}
+        asyncio.run(gate(scope, None, send))  # type: ignore[arg-type]
+        return int(sent[0]["status"])
+
+    assert call([]) == 503 and not seen
+    assert call([(WARM_HEADER, b"1")]) == 200 and seen == ["/v1/models"]
+    gate.open()
+    assert call([]) == 200

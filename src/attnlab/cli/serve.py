@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             "of the HTTP process"
         )
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - present?
 
         import attnlab.serving.openai_api  # noqa: F401 - FastAPI present?
     except ImportError as e:
@@ -358,12 +358,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         print(banner, file=sys.stderr, flush=True)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        if args.freeze_gc:
-            from attnlab.serving.startup import freeze_heap
+        from attnlab.serving.http_warmup import serve
 
-            freeze_heap()  # the HTTP process's objects so far (the engine's froze its own)
-        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
-        uvicorn.Server(config).run(sockets=[sock])
+        serve(
+            app, sock, host=args.host, port=args.port, api_key=args.api_key,
+            model=info.get("model") if "kv_blocks" in info else None,
+            warm=args.warm_up, freeze=args.freeze_gc,
+        )  # fmt: skip
     return 0
 
 
@@ -474,34 +475,9 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return AsyncEngine(engine), engine_facts(engine, name)
 
 
-def build_served_engine(
-    model: Any,
-    decode_sizes: tuple[int, ...] | None,
-    decode_required: bool,
-    prefill: bool = True,
-    warm: bool = True,
-    freeze: bool = True,
-    **kwargs: Any,
-) -> tuple[Any, str]:
-    """``(engine, model name)`` as ``attnlab serve`` runs it: loaded, its decode buckets
-    and prefill steps compiled (or the reason they are not, on stderr), its float
-    linears' kernels read from or written to the choice file
-    (:mod:`attnlab.backends.gemm_cache`) and logged, every step path warmed (``warm``)
-    and the heap frozen out of the collector (``freeze``). Module-level, so the engine
-    process can be handed it pickled."""
-    from attnlab.backends.gemm_cache import persisted_choices
-    from attnlab.serving.decode_buckets import enable_for_serving
-    from attnlab.serving.server import load_engine
-    from attnlab.serving.startup import freeze_heap, packing_lines, warm_paths
+def build_served_engine(*args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """:func:`attnlab.serving.startup.build_served_engine`, importable without torch (the
+    engine process is handed it pickled)."""
+    from attnlab.serving.startup import build_served_engine as build
 
-    with persisted_choices() as choices:
-        engine, name = load_engine(model, **kwargs)
-        said = [enable_for_serving(engine, decode_sizes, required=decode_required, prefill=prefill)]
-        said += packing_lines(engine.model, choices)
-        if warm:
-            said.append(warm_paths(engine))
-    if freeze:
-        said.append(freeze_heap())
-    print("\n".join(said), file=sys.stderr)
-    sys.stderr.flush()
-    return engine, name
+    return build(*args, **kwargs)

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import time
 from dataclasses import replace
 from typing import Any
 
-from torch import nn
-
-__all__ = ["freeze_heap", "packing_lines", "warm_paths"]
+__all__ = ["build_served_engine", "freeze_heap", "packing_lines", "warm_paths"]
 
 log = logging.getLogger(__name__)
 
 
-def packing_lines(model: nn.Module, choices: Any = None) -> list[str]:
+def packing_lines(model: Any, choices: Any = None) -> list[str]:
     """The packed linears of ``model`` as log lines: a summary, then one line per shape
     with each row bucket's kernel (``chosen/fewer rows`` where they differ; ``*``: read
     from the choice file). ``choices``: the :class:`~attnlab.backends.gemm_cache.ChoiceFile`
@@ -60,6 +59,37 @@ def packing_lines(model: nn.Module, choices: Any = None) -> list[str]:
         f"file{where} (*), {measured} measured now)"
     )
     return [head, *rows]
+
+
+def build_served_engine(
+    model: Any,
+    decode_sizes: tuple[int, ...] | None,
+    decode_required: bool,
+    prefill: bool = True,
+    warm: bool = True,
+    freeze: bool = True,
+    **kwargs: Any,
+) -> tuple[Any, str]:
+    """``(engine, model name)`` as ``attnlab serve`` runs it: loaded, its decode buckets
+    and prefill steps compiled (or the reason they are not, on stderr), its float
+    linears' kernels read from or written to the choice file
+    (:mod:`attnlab.backends.gemm_cache`) and logged, every step path warmed (``warm``)
+    and the heap frozen out of the collector (``freeze``)."""
+    from attnlab.backends.gemm_cache import persisted_choices
+    from attnlab.serving.decode_buckets import enable_for_serving
+    from attnlab.serving.server import load_engine
+
+    with persisted_choices() as choices:
+        engine, name = load_engine(model, **kwargs)
+        said = [enable_for_serving(engine, decode_sizes, required=decode_required, prefill=prefill)]
+        said += packing_lines(engine.model, choices)
+        if warm:
+            said.append(warm_paths(engine))
+    if freeze:
+        said.append(freeze_heap())
+    print("\n".join(said), file=sys.stderr)
+    sys.stderr.flush()
+    return engine, name
 
 
 def warm_paths(engine: Any, *, max_seconds: float = 120.0) -> str:
