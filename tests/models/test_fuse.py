@@ -197,3 +197,49 @@ def test_the_environment_turns_fusion_off(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("ATTNLAB_FUSE", "yes")
     with pytest.raises(ValueError, match="ATTNLAB_FUSE"):
         pack_model(model, rows=(1,))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:g32", "int4"])
+def test_quantized_layers_join_exactly(spec: str) -> None:
+    """int8 per channel, Q8_0-like groups, Q4_1-like int4: the fused layer joins the levels,
+    scales and minimums (never re-rounded), float32 compute: the logits of the separate
+    layers within float32 rounding; the state dict untouched."""
+    from attnlab.models.quantize import quantize_model
+    from attnlab.modules.linear import LinearSpec
+
+    model = _model("qwen2-bias")
+    parsed = LinearSpec.parse(spec)
+    quantize_model(
+        model, LinearSpec(parsed.weights, group_size=parsed.group_size, compute="float32")
+    )
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want, want_step = model(ids).logits, model(ids[:, :1]).logits
+    assert fuse_projections(model, rows=(1, 4)) == {}
+    fused = fused_projections(model)
+    assert len(fused) == 4 and all(f.quant is not None for f in fused.values())
+    with torch.no_grad():
+        got, step = model(ids).logits, model(ids[:, :1]).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, want_step, rtol=1e-5, atol=1e-5)
+    got_state = model.state_dict()
+    assert list(got_state) == list(state)
+    assert all(torch.equal(got_state[k], v) for k, v in state.items())
+
+
+def test_smollm2_q4_1_blocks_fused(smollm2_file: Path) -> None:
+    """SmolLM2's GGUF Q4_1 blocks as stored (no float round trip), fused: the logits of the
+    separate layers within float32 rounding, the same next tokens."""
+    import attnlab
+
+    model = attnlab.from_gguf(smollm2_file, quantize="gguf", tokenizer=False, compute="float32")
+    ids = torch.tensor([[1, 504, 3458, 282, 4103, 314]])
+    with torch.no_grad():
+        want = model(ids).logits
+    pack_model(model, rows=(1,), fuse=True)
+    assert len(fused_projections(model)) == 2 * model.config.num_hidden_layers
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -153,10 +153,10 @@ class FusedProjection:
         out: list[Tensor] = []
         for layer in self.layers:
             if self.quantized:
-                out.extend(layer._buffers.values())
+                out.extend(t for t in layer._buffers.values() if t is not None)
                 out.extend(t for t in getattr(layer, "tiles", None) or () if t is not None)
             else:
-                out.append(layer._parameters["weight"])
+                out.append(_weight(layer))
             bias = layer._parameters.get("bias")
             if bias is not None:
                 out.append(bias)
