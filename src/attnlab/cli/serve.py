@@ -99,10 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--compiled-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with decode buckets, also compile the steps that carry new prompts (one "
-        "graph for 0 and one for up to 8 decode rows, the token count dynamic); "
-        "--no-compiled-prefill: "
-        "those steps run eagerly",
+        help="with decode buckets, also compile the steps that carry prompts, fresh or "
+        "continuing (one graph, the decode rows and the prompt tokens dynamic); "
+        "--no-compiled-prefill: those steps run eagerly",
     )
     _add_startup(p)
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
