@@ -15,7 +15,8 @@ them in rounds (median of ``--repeats``):
   copy in its own engine over the same requests (``--prompt-tokens`` each, random ids).
 
 ``--model llama`` is the random 4-layer Llama of ``benchmarks/serving_step.py`` (hidden
-256, vocab 32000); ``--model smollm2`` SmolLM2-135M-Instruct as float32 (``--folder`` a
+256, vocab 32000); ``--model decode`` the one of ``benchmarks/decode.py`` (8 heads, 2
+key/value heads); ``--model smollm2`` SmolLM2-135M-Instruct as float32 (``--folder`` a
 saved folder, e.g. ``/work/models/serving_vllm/smollm2``). ``--quantize int8`` (or
 ``int4``, ``int8:g32``...) quantizes both copies first: the fused copy then joins the
 quantized layers (or says why it could not). The peer is the same model unfused; the
@@ -55,6 +56,10 @@ def build(args: argparse.Namespace) -> DecoderLM:
         m = load_causal_lm(args.folder).model
         assert isinstance(m, DecoderLM)
         m = m.eval()
+    elif args.model == "decode":  # benchmarks/decode.py's Llama (8 heads, 2 key/value heads)
+        from decode import build as build_decode
+
+        m = build_decode(2048)[1]
     else:
         from serving_step import model
 
@@ -98,7 +103,7 @@ def generate_part(args: argparse.Namespace) -> None:
         ids = torch.randint(
             0, vocab, (b, args.prompt_tokens), generator=torch.Generator().manual_seed(b)
         )
-        for compiled in (False, True):
+        for compiled in [m == "compiled" for m in args.modes]:
             tokens = {}
             t0 = time.perf_counter()
             for name, m in models.items():  # warm (and compile)
@@ -156,7 +161,10 @@ def serving_part(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["generate", "serving"], required=True)
-    ap.add_argument("--model", choices=["llama", "smollm2"], default="llama")
+    ap.add_argument("--model", choices=["llama", "smollm2", "decode"], default="llama")
+    ap.add_argument(
+        "--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"]
+    )
     ap.add_argument("--folder", default=None, help="a saved model folder (overrides --model)")
     ap.add_argument("--quantize", default=None, help="quantize both copies first (int8, int4...)")
     ap.add_argument("--threads", type=int, default=2)
