@@ -15,7 +15,13 @@ from attnlab.generation import generate
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
 from attnlab.models.fuse import fuse_projections, fused_projections
-from attnlab.models.inference import default_fuse, pack_model, packing_report, unpack_model
+from attnlab.models.inference import (
+    FUSE_BY_DEFAULT,
+    default_fuse,
+    pack_model,
+    packing_report,
+    unpack_model,
+)
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.fused_linear import FusedProjection
 
@@ -189,10 +195,15 @@ def test_missing_biases_add_zeros_and_bad_groups_are_refused() -> None:
         FusedProjection(layers=[nn.Linear(4, 2), nn.Conv1d(4, 2, 1)], names=["a", "b"])
 
 
-def test_the_environment_turns_fusion_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_turns_fusion_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ATTNLAB_FUSE", raising=False)
+    assert default_fuse() is FUSE_BY_DEFAULT
+    monkeypatch.setenv("ATTNLAB_FUSE", "1")
+    model = pack_model(_model("llama-gqa"), rows=(1,))
+    assert len(fused_projections(model)) == 4
     monkeypatch.setenv("ATTNLAB_FUSE", "0")
     assert default_fuse() is False
-    model = pack_model(_model("llama-gqa"), rows=(1,))
+    model = pack_model(model, rows=(1,))
     assert not fused_projections(model)
     monkeypatch.setenv("ATTNLAB_FUSE", "yes")
     with pytest.raises(ValueError, match="ATTNLAB_FUSE"):

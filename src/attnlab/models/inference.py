@@ -10,11 +10,11 @@ gives a tied LM head (the token embeddings) a
 Packing is for inference: it refuses a model in training mode, a packed layer refuses a
 call that needs gradients, and :func:`unpack_model` restores the plain layers.
 
-By default it also fuses each self-attention's q/k/v and each gated MLP's gate/up into one
-laid-out weight (:func:`attnlab.models.fuse.fuse_projections`: 4 matmul calls per decoder
-layer instead of 7); ``fuse=False``, or ``ATTNLAB_FUSE=0`` in the environment for the
-callers that pack on their own (the serving decode buckets, compiled ``generate``), keeps
-the separate layers. The layers a fused weight replaces are left as plain ``nn.Linear``
+With ``fuse=True`` it also fuses each self-attention's q/k/v and each gated MLP's gate/up
+into one laid-out weight (:func:`attnlab.models.fuse.fuse_projections`: 4 matmul calls per
+decoder layer instead of 7); ``ATTNLAB_FUSE=1`` in the environment does it for the callers
+that pack on their own (the serving decode buckets, compiled ``generate``). It is off by
+default (:data:`FUSE_BY_DEFAULT`: not measured faster in every decode path). The layers a fused weight replaces are left as plain ``nn.Linear``
 (their forward is not called while it is fused), so fusing costs one copy of those weights
 more than packing them would.
 """
@@ -48,9 +48,10 @@ log = logging.getLogger(__name__)
 #: the row counts packed for by default (the serving engine's decode buckets)
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
 
-#: whether :func:`pack_model` fuses q/k/v and gate/up unless told (measured faster at
-#: decode-step rows: docs/benchmarks.md, "Fused q/k/v and gate/up")
-FUSE_BY_DEFAULT = True
+#: whether :func:`pack_model` fuses q/k/v and gate/up unless told: off, because it was not
+#: measured faster everywhere (SmolLM2's 8-row serving bucket 1.13x, but compiled 8-row
+#: ``generate`` 0.82-0.90x; docs/benchmarks.md, "Fused q/k/v and gate/up")
+FUSE_BY_DEFAULT = False
 
 
 def default_fuse() -> bool:

@@ -62,7 +62,8 @@ class CausalLMShell(nn.Module):
         fuse: bool | None = None,
     ) -> CausalLMShell:
         """Lay out the float linears (and a tied head) for ``rows``-row decode steps, each
-        kernel chosen by measurement, with q/k/v and gate/up fused unless ``fuse=False``;
+        kernel chosen by measurement, with q/k/v and gate/up fused if ``fuse=True`` (None:
+        ``ATTNLAB_FUSE``, else off);
         see :func:`attnlab.models.inference.pack_model`
         (``attnlab.models.inference.unpack_model`` undoes it). Returns the model.
 
