@@ -87,7 +87,9 @@ def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
     assert ran == {"fresh prompts", "continuing prompts"}, kinds
     assert any("1-8" in k for k in kinds if "prompts" in k)  # beside more than 4
     text = step_kinds_text(dict(kinds))  # as /metrics shows them
-    decode = f'attnlab_steps_by_kind_total{{kind="decode",run="compiled"}} {buckets.steps}'
+    decode = (
+        f'attnlab_steps_by_kind_total{{kind="decode",run="compiled"}} {kinds["decode, compiled"]}'
+    )
     assert decode in text.splitlines()
     assert engine.scheduler.preemptions > 0
     assert engine.pool.num_used_blocks == 0 and engine.pool.storage.num_blocks == scratch + 1
