@@ -368,9 +368,15 @@ def bandwidth_gbs() -> float:
 
 
 def weight_bytes(m: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter and buffer once (the tied table once)."""
+    """Bytes a decode step reads: every float parameter and buffer once (the tied table
+    once), each quantized layer's weights in the one layout it keeps (q8tile's tiles, with
+    their float16 scales, once they replaced the rows)."""
+    from attnlab.modules.quant_linear import QuantLinear
+
+    quant = [q for q in m.modules() if isinstance(q, QuantLinear)]
+    rows = {b.data_ptr() for q in quant for b in q.buffers(recurse=False)}
     seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}
-    return sum(seen.values())
+    return sum(v for k, v in seen.items() if k not in rows) + sum(q.weight_nbytes for q in quant)
 
 
 def q8_0_file(peer: LlamaCpp, q4_1: Path, tmp: Path) -> Path:

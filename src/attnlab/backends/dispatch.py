@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from attnlab.backends.call import AttentionCall, Backend
-from attnlab.backends.plan import AttentionPlan, BlockTable, KVView, SeqGroup, SequenceLayout
+from attnlab.backends.plan import AttentionPlan, BlockTable, KVView, SequenceLayout
 from attnlab.backends.registry import get
-from attnlab.backends.sdpa import sdpa_torch
 from attnlab.backends.select import _memoized
 from attnlab.functional.attention import AttnMask, pattern_mask, resolve_mask
 from attnlab.functional.masks import MaskPattern
@@ -271,17 +270,10 @@ def _attend_flat(
     q_pos = plan.q_positions[0]  # [N]
     out: Tensor | None = None
     for i, g in enumerate(layout.groups):
-        n_g = len(g.rows)
+        n_g = g.spread.shape[0] // g.width  # len(g.rows), or symbolic in a compiled step
         backend = plan.group_backend(i)
         q = q_flat.index_select(1, g.spread).view(h, n_g, g.width, e).transpose(0, 1)
         qp = q_pos.index_select(0, g.spread).view(n_g, g.width)  # [n_g, W_g]
-        if g.segments is not None:  # fresh chunks: their own new keys, not the pool
-            o = _attend_own(plan, g, q, qp, kv, scale)
-            o = o.transpose(0, 1).reshape(h, n_g * g.width, -1)  # [H, W_g, Ev]
-            if out is None:
-                out = o.new_empty(h, query.shape[2], o.shape[-1])
-            out.index_copy_(1, g.keep, o.index_select(1, g.places))
-            continue
         if kv.block_table is not None and backend.reads_blocks:
             key, value, kp, table = kv.key, kv.value, None, g.blocks
         elif kv.block_table is not None:  # this group's keys gathered from the pools
@@ -317,27 +309,6 @@ def _attend_flat(
         out.index_copy_(1, g.keep, o.index_select(1, g.places))
     assert out is not None
     return out.unsqueeze(0)  # [1, H, N, Ev]
-
-
-def _attend_own(
-    plan: AttentionPlan, g: SeqGroup, q: Tensor, qp: Tensor, kv: KVView, scale: float | None
-) -> Tensor:
-    """A one-row group of fresh prefill chunks ``q [1, H, W, E]`` over the step's new
-    keys of their own chunk (``g.segments``), under the plan's pattern on positions:
-    torch's kernel with the block-diagonal mask; ``[1, H, W, Ev]``."""
-    assert kv.new_key is not None and kv.new_value is not None and g.segments is not None
-    key = kv.new_key.index_select(2, g.spread)  # [1, H_kv, W, E]
-    value = kv.new_value.index_select(2, g.spread)
-    seg = g.segments
-    allowed = (seg[:, None] == seg[None, :]).view(1, 1, seg.shape[0], seg.shape[0])
-    if plan.pattern is not None:
-        zero = torch.zeros((), dtype=torch.long, device=q.device)
-        qi, ki = qp.view(1, 1, -1, 1), qp.view(1, 1, 1, -1)
-        allowed = allowed & plan.pattern._unscored().mask_mod(zero, zero, qi, ki)
-    out, _ = sdpa_torch(
-        q, key, value, allowed, 0.0, False, scale, plan.call.enable_gqa, check_finite=False
-    )
-    return out
 
 
 def _gather_group(key_pool: Tensor, value_pool: Tensor, blocks: BlockTable) -> tuple:

@@ -28,6 +28,13 @@ L2 cache (the weights of a decode step come from L3 or memory, never from L1/L2)
 fastest, and remembers it (:class:`GemmChoice`, ``str()`` says which and why). Rows past
 :data:`MAX_ROWS` are GEMM-shaped (a prompt) and run ``"linear"`` by rule.
 
+Small shapes' kernels often differ by less than the noise, so the rounds interleave
+(order rotated), each kernel keeps its best, and a kernel replaces the default
+``"linear"`` (or a simpler one, earlier in :data:`GEMM_KERNELS`) only when more than
+:data:`MARGIN` faster. Inside :func:`~attnlab.backends.gemm_cache.persisted_choices`
+(``attnlab serve``/``generate``) a decision is written to a file and read back by later
+processes, so every start of a server on one machine lays its linears out alike.
+
 The packed kernels are torch custom ops (``attnlab_gemm::mkl_linear``,
 ``attnlab_gemm::mkldnn_linear``) with fake kernels, so a compiled step calls them without
 a graph break (inductor cannot lower the MKL/oneDNN ops on tensors that are graph inputs).
@@ -52,10 +59,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnlab.backends.gemm_cache import active_choice_file, machine_key
 from attnlab.backends.gemm_kernels import GEMM_KERNELS, gemm_unavailable, prepare_gemm, run_gemm
 
 __all__ = [
     "GEMM_KERNELS",
+    "MARGIN",
     "MAX_ROWS",
     "GemmChoice",
     "PackedLinear",
@@ -63,6 +72,7 @@ __all__ = [
     "clear_gemm_memo",
     "gemm_unavailable",
     "pack_linear",
+    "pick",
     "row_bucket",
     "static_rows",
     "use_gemm",
@@ -75,6 +85,10 @@ MAX_ROWS = 32
 #: bytes of weight copies a measurement cycles through (beyond the L2 cache)
 _MEASURE_BYTES = 32 << 20
 _MAX_COPIES = 8
+#: interleaved timing rounds per measurement (each kernel keeps its best)
+_ROUNDS = 7
+#: how much faster than the default (or a simpler kernel) a kernel must be to be chosen
+MARGIN = 0.10
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -95,6 +109,8 @@ class GemmChoice:
         threads: torch's intra-op threads when it was measured.
         timings_us: each runnable kernel's best time, microseconds.
         rejected: kernels that cannot run, with the reason.
+        stored: the decision was read from a choice file (measured by an earlier
+            process: :mod:`attnlab.backends.gemm_cache`), not measured now.
     """
 
     chosen: str
@@ -104,10 +120,11 @@ class GemmChoice:
     threads: int
     timings_us: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    stored: bool = False
 
     def __str__(self) -> str:
         times = ", ".join(f"{k} {v:.0f} us" for k, v in self.timings_us.items())
-        why = f" ({times})" if times else ""
+        why = f" ({times}{', stored' if self.stored else ''})" if times else ""
         other = f"; fewer rows: {self.other_rows}" if self.other_rows != self.chosen else ""
         return (
             f"{self.chosen} [{self.how}{why}] at {self.rows} rows, {self.threads} thread(s){other}"
@@ -171,16 +188,25 @@ def row_bucket(rows: int) -> int:
 
 
 def _time(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Each function's best time over interleaved rounds, microseconds."""
+    """Each function's best time over interleaved rounds (the order rotated each round,
+    so no function always runs after the same one), microseconds."""
     for fn in fns.values():
         fn()  # warm-up
+    names = list(fns)
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
     return {k: v * 1e6 for k, v in best.items()}
+
+
+def pick(timings: dict[str, float], margin: float = MARGIN) -> str:
+    """The first kernel of :data:`GEMM_KERNELS` (``"linear"``, the default, first) whose
+    time is within ``margin`` of the fastest: a kernel wins only by more than the noise."""
+    best = min(timings.values())
+    return next(n for n in GEMM_KERNELS if n in timings and timings[n] <= best * (1 + margin))
 
 
 #: the last shape's random weights and their layouts, reused across its row buckets
@@ -227,7 +253,7 @@ def _measure(
         return run
 
     with torch.no_grad():
-        t = _time({name: loop(name) for name in names}, rounds=5)
+        t = _time({name: loop(name) for name in names}, rounds=_ROUNDS)
     return {name: v / len(ws) for name, v in t.items()}
 
 
@@ -272,13 +298,22 @@ def choose_gemm(
     if memo is not None:
         return memo
     names = [n for n in GEMM_KERNELS if n not in rejected]
+    file = active_choice_file()
+    machine = machine_key(threads) if file is not None else ""
+    skey = f"{out_features},{in_features},{int(bias)},{str(dtype).removeprefix('torch.')},{bucket}"
+    stored = file.get(machine, skey, names) if file is not None else None
+    if stored is not None:
+        chosen, other, t = stored
+        _MEMO[key] = GemmChoice(chosen, other, "measured", bucket, threads, t, rejected, True)
+        return _MEMO[key]
     timings = _measure(out_features, in_features, bucket, dtype, bias, names)
-    best = min(timings, key=lambda n: timings[n])
-    others = {n: t for n, t in timings.items() if n != "mkl"}
-    other = min(others, key=lambda n: others[n])
+    best = pick(timings)
+    other = pick({n: t for n, t in timings.items() if n != "mkl"})
     choice = GemmChoice(best, other, "measured", bucket, threads, timings, rejected)
     _MEMO[key] = choice
     log.info("float GEMM [%d, %d] x %d rows: %s", out_features, in_features, bucket, choice)
+    if file is not None:
+        file.put(machine, skey, {"chosen": best, "other_rows": other, "timings_us": timings})
     return choice
 
 

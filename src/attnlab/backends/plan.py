@@ -106,18 +106,14 @@ class SeqGroup:
     sequences run together, each chunk with the chunks of about its length.
 
     Attributes:
-        rows: the group's sequence indices in the layout.
+        rows: the group's sequence indices in the layout (empty in a compiled step
+            whose row count is symbolic: ``n_g`` is ``len(spread) // width``).
         width: ``W_g``.
         spread: long ``[n_g * W_g]``, the flat token at each place (its first token at
             the left padding).
         keep: long ``[N_g]``, the group's flat tokens.
         places: long ``[N_g]``, their places in ``[n_g * W_g]``.
         blocks: the group's rows of the step's block tables, or None.
-        segments: long ``[W_g]`` for a one-row group of fresh prefill chunks (sequences
-            none of whose tokens was computed before, one after the other in the row), the
-            chunk of each place (``-1``: padding): the group attends the step's new keys of
-            its own chunk only, not the pool (a compiled step's chunks,
-            :mod:`attnlab.serving.step_buckets`); None: keys from the cache.
     """
 
     rows: tuple[int, ...]
@@ -126,7 +122,6 @@ class SeqGroup:
     keep: Tensor
     places: Tensor
     blocks: BlockTable | None = None
-    segments: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -297,10 +292,6 @@ class KVView:
     value: Tensor
     k_positions: Tensor | None = None
     block_table: BlockTable | None = None
-    #: a flat step's new keys/values ``[1, H_kv, N, E]`` (a group with ``segments``
-    #: attends them), or None
-    new_key: Tensor | None = None
-    new_value: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -166,11 +166,26 @@ def _run_int4pack(w: QuantWeights, x2: Tensor) -> Tensor:
     return torch._weight_int4pack_mm_for_cpu(x2, packed, w.group_size, scales_zeros)
 
 
+def _group_refusal(w: QuantWeights) -> str | None:
+    """Why the block kernels (``fused``, ``q8dot``, ``q8tile``, ``q8dequant``) cannot read
+    ``w``'s groups, or None: they walk blocks of 32 input features."""
+    if w.group_size % 32 or w.in_features % w.group_size:
+        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
+    return None
+
+
+def _block_form(w: QuantWeights, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Kernel form ``name`` (``"fused"`` rows or ``"tiled"``) as ``(levels, scales, mins)``,
+    ``mins`` None for int8 weights."""
+    form = w.kernel_form(name, torch.float32)  # (levels, scales) or (levels, scales, mins)
+    return form[0], form[1], form[2] if len(form) == 3 else None
+
+
 def _check_fused(w: QuantWeights, dtype: torch.dtype) -> str | None:
     from attnlab.backends.qmatmul_cpu import unavailable
 
-    if w.group_size % 32 or w.in_features % w.group_size:
-        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
+    if (why := _group_refusal(w)) is not None:
+        return why
     if dtype not in (torch.float32, torch.bfloat16):
         return f"computes in float32 (from float32/bfloat16 activations), not {dtype}"
     return unavailable()
@@ -179,49 +194,38 @@ def _check_fused(w: QuantWeights, dtype: torch.dtype) -> str | None:
 def _run_fused(w: QuantWeights, x2: Tensor) -> Tensor:
     from attnlab.backends.qmatmul_cpu import qgemv
 
-    form = w.kernel_form("fused", torch.float32)  # (levels, scales) or (levels, scales, mins)
-    mins = form[2] if len(form) == 3 else None
-    x32 = x2.to(torch.float32).contiguous()
-    return qgemv(x32, form[0], form[1], mins, w.group_size).to(x2.dtype)
+    q, s, m = _block_form(w, "fused")
+    return qgemv(x2.to(torch.float32).contiguous(), q, s, m, w.group_size).to(x2.dtype)
 
 
 def _check_q8dot(w: QuantWeights, dtype: torch.dtype) -> str | None:
     from attnlab.backends.qmatmul_cpu import unavailable
 
-    if w.group_size % 32 or w.in_features % w.group_size:
-        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
-    return unavailable()
+    return _group_refusal(w) or unavailable()
 
 
 def _run_q8dot(w: QuantWeights, x2: Tensor) -> Tensor:
     from attnlab.backends.qmatmul_cpu import qgemv_q8
 
-    form = w.kernel_form("fused", torch.float32)  # the same levels as the float kernel
-    mins = form[2] if len(form) == 3 else None
-    return qgemv_q8(x2.to(torch.float32).contiguous(), form[0], form[1], mins, w.group_size)
+    q, s, m = _block_form(w, "fused")  # the same levels as the float kernel
+    return qgemv_q8(x2.to(torch.float32).contiguous(), q, s, m, w.group_size)
 
 
 def _check_q8tile(w: QuantWeights, dtype: torch.dtype) -> str | None:
     from attnlab.backends.qmatmul_cpu import tiled_unavailable
 
-    if w.group_size % 32 or w.in_features % w.group_size:
-        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
-    return tiled_unavailable()
+    return _group_refusal(w) or tiled_unavailable()
 
 
 def _run_q8tile(w: QuantWeights, x2: Tensor) -> Tensor:
     from attnlab.backends.qmatmul_cpu import qgemv_q8t
 
-    form = w.kernel_form("tiled", torch.float32)  # (levels, scales) or (levels, scales, mins)
-    mins = form[2] if len(form) == 3 else None
-    x32 = x2.to(torch.float32).contiguous()
-    return qgemv_q8t(x32, form[0], form[1], mins, w.out_features)
+    q, s, m = _block_form(w, "tiled")
+    return qgemv_q8t(x2.to(torch.float32).contiguous(), q, s, m, w.out_features)
 
 
 def _check_q8dequant(w: QuantWeights, dtype: torch.dtype) -> str | None:
-    if w.group_size % 32 or w.in_features % w.group_size:
-        return f"needs groups of a multiple of 32 features, these have {w.group_size}"
-    return None
+    return _group_refusal(w)
 
 
 def _run_q8dequant(w: QuantWeights, x2: Tensor) -> Tensor:
@@ -394,6 +398,12 @@ def choose_kernel(
     forced = kernel if kernel != "auto" else (None if compiling else _FORCED.get())
     act = "int8" if compute == "int8" else "float"
     rejected = {k.name: why for k in KERNELS.values() if (why := _reject(k, w, dtype, act))}
+    if forced is None and act == "int8" and "q8tile" not in rejected and "q8dot" not in rejected:
+        # one layout per layer: q8tile's tiles replace the rows, which q8dot reads
+        rejected["q8dot"] = (
+            "q8tile runs this layer from its tiled weights, the one layout kept "
+            "(q8dot reads rows: name it to build them)"
+        )
     if forced is not None:
         if forced not in KERNELS:
             raise ValueError(

@@ -58,6 +58,9 @@ __all__ = [
     "tile_weights",
     "tiled_unavailable",
     "unavailable",
+    "unpack_int4",
+    "untile_levels",
+    "untile_scales",
 ]
 
 
@@ -120,6 +123,12 @@ def repack_int4(levels: Tensor) -> Tensor:
     n, k = levels.shape
     blocks = levels.to(torch.uint8).reshape(n, k // 32, 2, 16)
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(q: Tensor) -> Tensor:
+    """The inverse of :func:`repack_int4`: ``[N, K/2]`` bytes -> levels ``[N, K]`` uint8."""
+    blocks = q.reshape(q.shape[0], -1, 16)  # [N, K/32, 16]: element j low, j + 16 high
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(q.shape[0], -1)
 
 
 def qgemv(x: Tensor, q: Tensor, s: Tensor, m: Tensor | None, group_size: int) -> Tensor:
@@ -213,6 +222,35 @@ def tile_weights(
         return _tiles(t.to(dtype).repeat_interleave(per, 1), n).transpose(1, 2).contiguous()
 
     return lv.contiguous(), per_block(s), None if m is None else per_block(m)
+
+
+def _tile_rows(t: Tensor, ids: Tensor | None, n: int) -> Tensor:
+    """Tiles (levels ``[T, B, 8 | 4, 16, 4]`` or scales ``[T, B, 16]``) -> rows ``[N, B, ...]``
+    (or ``[len(ids), B, ...]``)."""
+    lane = 3 if t.dim() == 5 else 2  # where the 16 features of a tile lie
+    if ids is None:
+        rows = t.movedim(lane, 1)  # [T, 16, B, ...]
+        return rows.reshape(-1, *rows.shape[2:])[:n]
+    tile, feature = ids // 16, ids % 16
+    return t[tile, :, :, feature] if lane == 3 else t[tile, :, feature]
+
+
+def untile_levels(lv: Tensor, n: int, ids: Tensor | None = None) -> Tensor:
+    """The inverse of :func:`tile_weights` on the levels: int8 ``q [N, K]`` (from ``w + 128``
+    tiles ``[T, B, 8, 16, 4]``), or 4-bit bytes ``[N, K/2]`` in :func:`repack_int4`'s GGUF
+    order (from ``[T, B, 4, 16, 4]``); only rows ``ids`` when given. Exact."""
+    rows = _tile_rows(lv, ids, n)  # [R, B, 8 | 4, 4]
+    rows = rows.reshape(rows.shape[0], -1)
+    return (rows.to(torch.int16) - 128).to(torch.int8) if lv.shape[2] == 8 else rows
+
+
+def untile_scales(
+    st: Tensor, n: int, group_size: int, dtype: torch.dtype, ids: Tensor | None = None
+) -> Tensor:
+    """The inverse of :func:`tile_weights` on scales or mins: ``[T, B, 16]`` per block ->
+    ``[N, K/G]`` in ``dtype`` (rows ``ids`` when given). Exact: the tiles hold float16 only
+    where every value is one."""
+    return _tile_rows(st, ids, n)[:, :: group_size // 32].to(dtype)
 
 
 def qgemv_q8t(x: Tensor, w: Tensor, s: Tensor, m: Tensor | None, n_out: int) -> Tensor:

@@ -209,3 +209,18 @@ def load_model(path: str | None) -> tuple[Any, Any, str]:
 
         raise ModelFileError(f"{folder}: the tokenizer cannot be loaded: {e}") from None
     return model, tokenizer, name
+
+
+def use_inductor_cache() -> str:
+    """Point ``TORCHINDUCTOR_CACHE_DIR`` at ``~/.cache/attnlab/inductor`` (beside the built
+    kernels: ``ATTNLAB_KERNEL_CACHE``'s parent, or ``$XDG_CACHE_HOME/attnlab``) unless it
+    is set, and return it. Call it before anything calls ``torch.compile``: that sets the
+    variable to inductor's default (``/tmp/torchinductor_$USER``) when it is unset."""
+    import os
+
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        kernels = os.environ.get("ATTNLAB_KERNEL_CACHE")
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = Path(kernels).parent if kernels else Path(base) / "attnlab"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]

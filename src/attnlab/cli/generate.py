@@ -199,6 +199,16 @@ def _tokenizer(folder: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.cli._common import use_inductor_cache
+
+    use_inductor_cache()  # before torch.compile is first called (it sets the variable)
+    from attnlab.backends.gemm_cache import persisted_choices
+
+    with persisted_choices():  # --compile lays the linears out: as every earlier start did
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     import attnlab

@@ -99,11 +99,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--compiled-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with decode buckets, also compile the steps that carry new prompts (one "
-        "graph for 0 and one for up to 8 decode rows, the token count dynamic); "
-        "--no-compiled-prefill: "
-        "those steps run eagerly",
+        help="with decode buckets, also compile the steps that carry prompts, fresh or "
+        "continuing (one graph, the decode rows and the prompt tokens dynamic); "
+        "--no-compiled-prefill: those steps run eagerly",
     )
+    _add_startup(p)
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per step")
     p.add_argument(
         "--max-batched-tokens", type=positive_int, default=512, help="token budget per step"
@@ -158,6 +158,33 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=4,
         help="drafts per request and step with --speculative (default 4)",
+    )
+
+
+def _add_startup(p: argparse.ArgumentParser) -> None:
+    """``--warm-up``, ``--freeze-gc``, ``--remeasure-gemm``: what a start does before ready."""
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before serving, run a few short requests through every path a step can take "
+        "(compiled and eager steps, chunked prompts, prefix hits, greedy and sampled rows), "
+        "so no first use lands on a client (default on)",
+    )
+    p.add_argument(
+        "--freeze-gc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after start-up, collect once and gc.freeze() the objects alive then (compiling "
+        "leaves millions; a full collection over them pauses a step), in both processes "
+        "(default on)",
+    )
+    p.add_argument(
+        "--remeasure-gemm",
+        action="store_true",
+        help="measure the float linears' kernels again (and rewrite the choice file, "
+        "~/.cache/attnlab/gemm_choices.json or ATTNLAB_GEMM_CACHE) instead of reusing the "
+        "decisions an earlier start stored",
     )
 
 
@@ -277,6 +304,8 @@ SINK_REFUSAL = (
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.cli._common import use_inductor_cache
+
     if args.sink_window is not None:
         raise ValueError(SINK_REFUSAL)
     if isinstance(args.engine_cpus, list) and not args.engine_process:
@@ -287,13 +316,20 @@ def run(args: argparse.Namespace) -> int:
             "of the HTTP process"
         )
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - present?
 
         import attnlab.serving.openai_api  # noqa: F401 - FastAPI present?
     except ImportError as e:
         raise ImportError(
             f"attnlab serve needs the serve extra: pip install 'attnlab[serve]' ({e})"
         ) from e
+    use_inductor_cache()  # before torch.compile is first called (it sets the variable)
+    if args.remeasure_gemm:  # the engine process inherits it
+        import os
+
+        from attnlab.backends.gemm_cache import ENV_REMEASURE
+
+        os.environ[ENV_REMEASURE] = "1"
     import torch
 
     if args.threads:
@@ -321,8 +357,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         print(banner, file=sys.stderr, flush=True)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
-        uvicorn.Server(config).run(sockets=[sock])
+        from attnlab.serving.http_warmup import serve
+
+        serve(
+            app, sock, host=args.host, port=args.port, api_key=args.api_key,
+            model=info.get("model") if "kv_blocks" in info else None,
+            warm=args.warm_up, freeze=args.freeze_gc,
+        )  # fmt: skip
     return 0
 
 
@@ -402,6 +443,8 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         sizes,
         required,
         prefill=args.compiled_prefill,
+        warm=args.warm_up,
+        freeze=args.freeze_gc,
         chat_template=args.chat_template,
         progress=True,
         block_size=args.block_size,
@@ -431,21 +474,9 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return AsyncEngine(engine), engine_facts(engine, name)
 
 
-def build_served_engine(
-    model: Any,
-    decode_sizes: tuple[int, ...] | None,
-    decode_required: bool,
-    prefill: bool = True,
-    **kwargs: Any,
-) -> tuple[Any, str]:
-    """``(engine, model name)`` as ``attnlab serve`` runs it: loaded, its decode buckets
-    and prefill steps compiled (or the reason they are not, on stderr). Module-level, so
-    the engine process can be handed it pickled."""
-    from attnlab.serving.decode_buckets import enable_for_serving
-    from attnlab.serving.server import load_engine
+def build_served_engine(*args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """:func:`attnlab.serving.startup.build_served_engine`, importable without torch (the
+    engine process is handed it pickled)."""
+    from attnlab.serving.startup import build_served_engine as build
 
-    engine, name = load_engine(model, **kwargs)
-    said = enable_for_serving(engine, decode_sizes, required=decode_required, prefill=prefill)
-    print(said, file=sys.stderr)
-    sys.stderr.flush()
-    return engine, name
+    return build(*args, **kwargs)

@@ -51,7 +51,7 @@ def from_gguf(
     tokenizer: bool = True,
     progress: bool = False,
     quantize: str | None = None,
-    compute: str = "auto",
+    compute: str | None = None,
 ) -> Any:
     """Load a GGUF file (llama.cpp's format) as an attnlab :class:`~attnlab.models.DecoderLM`.
 
@@ -73,10 +73,11 @@ def from_gguf(
             ``"int8"``/``"int4"``/``"int4:g64"``... (the same, and the file's float
             matrices quantized so).
         compute: the quantized layers' compute policy
-            (:data:`attnlab.backends.qmatmul.COMPUTE_POLICIES`): ``"auto"`` (bfloat16
-            activations where the CPU multiplies them natively, else float32), or
-            ``"int8"``: activations quantized to int8 blocks of 32, as llama.cpp
-            multiplies this file (:mod:`attnlab.backends.qmatmul`). Needs ``quantize``.
+            (:data:`attnlab.backends.qmatmul.COMPUTE_POLICIES`). None (the default) is
+            ``"int8"`` for a quantized load: activations quantized to int8 blocks of 32,
+            as llama.cpp multiplies this file (:mod:`attnlab.backends.qmatmul`). Float
+            activations: ``"auto"`` (bfloat16 where the CPU multiplies it natively, else
+            float32), ``"float32"`` or ``"bfloat16"``. Needs ``quantize``.
 
     Returns:
         The model in eval mode, with ``model.tokenizer`` (or None) and
@@ -111,9 +112,11 @@ def from_gguf(
         raise ModelFileError(str(e)) from None
     from attnlab.backends.qmatmul import COMPUTE_POLICIES
 
-    if compute not in COMPUTE_POLICIES:
-        raise ValueError(f"compute must be one of {list(COMPUTE_POLICIES)}, got {compute!r}")
-    if compute != "auto" and quantize is None:
+    if compute is not None and compute not in COMPUTE_POLICIES:
+        raise ValueError(
+            f"compute must be None or one of {list(COMPUTE_POLICIES)}, got {compute!r}"
+        )
+    if compute not in (None, "auto") and quantize is None:
         raise ValueError(f"compute={compute!r} applies to quantized layers: pass quantize= too")
     kept: set[str] = set()
     if quantize is not None:
@@ -139,10 +142,10 @@ def from_gguf(
 
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
         load_blocks(model, gguf, kept, heads, quantize)
-        if compute != "auto":
+        if compute != "auto":  # None: int8 activations, as llama.cpp runs the file
             from attnlab.models.quantize import set_compute
 
-            set_compute(model, compute)
+            set_compute(model, compute or "int8")
     model.tokenizer = gguf_tokenizer(gguf) if tokenizer else None
     model.generation_config = generation_settings(gguf.metadata)
     model.dtype_choice = choice

@@ -8,6 +8,16 @@ weights in float, for references and for code that needs a matrix.
 
 Shape notation: ``N`` output features, ``K`` input features, ``G`` group size, ``V``
 vocabulary, ``D`` width.
+
+**One layout at a time.** A layer stores its weights as rows (``qweight``, ``scales``,
+``mins``: the layout saved, written to GGUF and loaded). The first time the ``q8tile``
+kernel runs it (int8 activations on an AVX-512 VNNI build), the rows are interleaved into
+tiles of 16 output features (:func:`attnlab.backends.qmatmul_cpu.tile_weights`) and the
+rows are dropped: from then on ``qweight``/``scales``/``mins``, ``state_dict()``,
+``dequantize()`` and the embedding lookup read the tiles back exactly
+(:func:`~attnlab.backends.qmatmul_cpu.untile_levels`), and a kernel that reads rows
+(forced by name) builds its own form on demand. Loading a state dict, ``set_weights`` or
+a cast (``.to(dtype)``) brings the rows back first.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from attnlab.functional.quant import (
 
 __all__ = ["Int4Linear", "Int8Linear", "QuantEmbedding", "QuantLinear"]
 
+_ROWS = ("qweight", "scales", "mins")
+
 
 class QuantLinear(nn.Module):
     """What the int8 and int4 layers share: shape, bias, kernel choice, forward.
@@ -50,9 +62,6 @@ class QuantLinear(nn.Module):
     """
 
     kind = ""
-    qweight: Tensor
-    scales: Tensor
-    mins: Tensor
 
     def __init__(
         self,
@@ -79,6 +88,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.last_choice: LinearChoice | None = None
         self._forms: dict[tuple[str, torch.dtype], tuple[Tensor, ...]] = {}
+        # the tiled layout (levels, scales, mins) once q8tile ran, and the rows' scale dtype
+        self._tiled: tuple[Tensor, Tensor, Tensor | None] | None = None
+        self._row_dtype = torch.float32
 
     def extra_repr(self) -> str:
         return (
@@ -89,23 +101,120 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:  # pragma: no cover
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ layouts
+
+    @property
+    def layout(self) -> str:
+        """``"tiled"`` (q8tile's interleave, the rows dropped) or ``"rows"``."""
+        return "rows" if self._tiled is None else "tiled"
+
+    def row_tensor(self, name: str, ids: Tensor | None = None) -> Tensor:
+        """Row tensor ``name`` (``"qweight"``, ``"scales"``, ``"mins"``; rows ``ids`` only
+        when given), stored or read back off the tiles."""
+        if self._tiled is None:
+            t = self._buffers.get(name)
+            if t is None:
+                raise AttributeError(f"{type(self).__name__} has no {name!r}")
+            return t if ids is None else t[ids]
+        from attnlab.backends.qmatmul_cpu import unpack_int4, untile_levels, untile_scales
+
+        lv, st, mt = self._tiled
+        n, g = self.out_features, self.group_size
+        if name == "scales":
+            return untile_scales(st, n, g, self._row_dtype, ids)
+        if name == "mins" and mt is not None:
+            return untile_scales(mt, n, g, self._row_dtype, ids)
+        if name != "qweight":
+            raise AttributeError(f"{type(self).__name__} has no {name!r}")
+        q = untile_levels(lv, n, ids)  # int8 [R, K], or 4-bit GGUF-order bytes [R, K/2]
+        return q if self.kind == "int8" else pack_nibbles(unpack_int4(q))
+
+    @property
+    def qweight(self) -> Tensor:
+        """The levels as rows: int8 ``[N, K]``, or 4-bit ``[N, K/2]`` (even column low)."""
+        return self.row_tensor("qweight")
+
+    @property
+    def scales(self) -> Tensor:
+        """Scales ``[N, K/G]``."""
+        return self.row_tensor("scales")
+
+    @property
+    def mins(self) -> Tensor:
+        """Minimums ``[N, K/G]`` (4-bit layers)."""
+        return self.row_tensor("mins")
+
+    @property
+    def tiles(self) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """The tiled layout ``(levels, scales, mins)`` of
+        :func:`~attnlab.backends.qmatmul_cpu.tile_weights`, or None (rows)."""
+        return self._tiled
+
+    def set_tiles(
+        self, tiled: tuple[Tensor, Tensor, Tensor | None], row_dtype: torch.dtype | None = None
+    ) -> None:
+        """Make ``tiled`` the one layout kept (rows read back in ``row_dtype``, default the
+        rows' own): the rows and the row kernels' forms go."""
+        self._row_dtype = row_dtype or self.scales.dtype
+        self._tiled = tiled
+        for name in _ROWS:
+            self._buffers.pop(name, None)
+        self._forms.clear()
+
+    def _ensure_rows(self) -> None:
+        """Bring the rows back (exactly) and drop the tiles."""
+        if self._tiled is None:
+            return
+        rows = {
+            name: self.row_tensor(name) for name in _ROWS if name != "mins" or self.kind == "int4"
+        }
+        self._tiled = None
+        self._buffers.update(rows)
+        self._forms.clear()
+
     def kernel_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        """The weights as kernel ``name`` reads them in ``dtype``, built once and kept."""
+        """The weights as kernel ``name`` reads them in ``dtype``, built once and kept
+        (``"tiled"`` becomes the layer's one layout: see the module's docstring)."""
+        if name == "tiled":
+            if self._tiled is None:
+                from attnlab.backends.qmatmul_cpu import tile_weights
+
+                q, scales, mins = self._tile_source()
+                self.set_tiles(tile_weights(q, scales, mins, self.group_size))
+            assert self._tiled is not None
+            return tuple(t for t in self._tiled if t is not None)
         key = (name, dtype)
         form = self._forms.get(key)
-        if form is None or form[0].device != self.scales.device:
+        if form is None or form[0].device != self._device():
             form = self._build_form(name, dtype)
             self._forms[key] = form
         return form
 
+    def _device(self) -> torch.device:
+        return (self.scales if self._tiled is None else self._tiled[1]).device
+
     def _build_form(self, name: str, dtype: torch.dtype) -> tuple[Tensor, ...]:  # pragma: no cover
         raise NotImplementedError
 
+    def _tile_source(self) -> tuple[Tensor, Tensor, Tensor | None]:  # pragma: no cover
+        """The row kernels' levels, scales and mins, which :func:`tile_weights` interleaves."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._tiled is not None:  # the saved layout is always the rows
+            for name in _ROWS:
+                if name != "mins" or self.kind == "int4":
+                    destination[prefix + name] = self.row_tensor(name)
+
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        self._ensure_rows()
         self._forms.clear()  # new weights: the packed forms are rebuilt on first use
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        if self._tiled is not None and any(fn(t) is not t for t in self._tiled if t is not None):
+            self._ensure_rows()  # a cast or a move: done on the rows, tiled again on use
         self._forms.clear()
         return super()._apply(fn, recurse)
 
@@ -120,8 +229,23 @@ class QuantLinear(nn.Module):
 
     @property
     def weight_nbytes(self) -> int:
-        """Bytes of the stored weights (levels, scales, minimums), the bias left out."""
-        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
+        """Bytes of the stored weights (levels, scales, minimums, in the layout kept), the
+        bias left out."""
+        stored = list(self.buffers(recurse=False)) + [t for t in self._tiled or () if t is not None]
+        return sum(b.numel() * b.element_size() for b in stored)
+
+    @property
+    def resident_nbytes(self) -> int:
+        """:attr:`weight_nbytes` plus the kernels' own forms kept beside them (a form that
+        is the stored tensor itself counted once)."""
+        seen = {t.data_ptr() for t in self.buffers(recurse=False)}
+        extra = 0
+        for form in self._forms.values():
+            for t in form:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    extra += t.numel() * t.element_size()
+        return self.weight_nbytes + extra
 
 
 class Int8Linear(QuantLinear):
@@ -185,6 +309,7 @@ class Int8Linear(QuantLinear):
                 f"int8 weights must be int8 {want[0]} with scales {want[1]}, got {q.dtype} "
                 f"{tuple(q.shape)} and {tuple(scales.shape)}"
             )
+        self._ensure_rows()
         self.qweight.copy_(q)
         self.scales.copy_(scales.to(torch.float32))
         self._forms.clear()
@@ -198,11 +323,6 @@ class Int8Linear(QuantLinear):
             return self.qweight.contiguous(), self.scales[:, 0].to(dtype).contiguous()
         if name == "fused":
             return self.qweight.contiguous(), self.scales.contiguous()
-        if name == "tiled":
-            from attnlab.backends.qmatmul_cpu import tile_weights
-
-            lv, st, _ = tile_weights(self.qweight, self.scales, None, self.group_size)
-            return lv, st
         assert name == "int8groups"
         g = self.group_size
         out: list[Tensor] = []
@@ -211,6 +331,9 @@ class Int8Linear(QuantLinear):
             q_i = self.qweight[:, i * g : (i + 1) * g].contiguous()
             out += [q_i, self.scales[:, i].to(dtype).contiguous()]
         return tuple(out)
+
+    def _tile_source(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self.qweight, self.scales, None
 
 
 class Int4Linear(QuantLinear):
@@ -283,6 +406,7 @@ class Int4Linear(QuantLinear):
             raise ValueError(
                 f"int4 levels must lie in 0..15, got {int(levels.min())}..{int(levels.max())}"
             )
+        self._ensure_rows()
         self.qweight.copy_(pack_nibbles(levels))
         self.scales.copy_(scales.to(torch.float32))
         self.mins.copy_(mins.to(torch.float32))
@@ -290,6 +414,10 @@ class Int4Linear(QuantLinear):
 
     def levels(self) -> Tensor:
         """The stored levels, ``[N, K]`` uint8 in ``0..15``."""
+        if self._tiled is not None:
+            from attnlab.backends.qmatmul_cpu import unpack_int4, untile_levels
+
+            return unpack_int4(untile_levels(self._tiled[0], self.out_features))
         return unpack_nibbles(self.qweight)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -301,19 +429,17 @@ class Int4Linear(QuantLinear):
             from attnlab.backends.qmatmul_cpu import repack_int4
 
             return repack_int4(self.levels()), self.scales.contiguous(), self.mins.contiguous()
-        if name == "tiled":
-            from attnlab.backends.qmatmul_cpu import repack_int4, tile_weights
-
-            lv, st, mt = tile_weights(repack_int4(self.levels()), self.scales, self.mins,
-                                      self.group_size)  # fmt: skip
-            assert mt is not None
-            return lv, st, mt
         assert name == "int4pack"
         packed = torch._convert_weight_to_int4pack_for_cpu(self.levels().to(torch.int32), 2)
         # the kernel computes (q - 8) * scale + zero: zero = min + 8 * scale
         zeros = self.mins + 8.0 * self.scales
         sz = torch.stack([self.scales, zeros], dim=-1).transpose(0, 1)  # [K/G, N, 2]
         return packed, sz.to(dtype).contiguous()
+
+    def _tile_source(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        from attnlab.backends.qmatmul_cpu import repack_int4
+
+        return repack_int4(self.levels()), self.scales, self.mins
 
 
 class QuantEmbedding(nn.Module):
@@ -355,13 +481,13 @@ class QuantEmbedding(nn.Module):
         the model was cast)."""
         t = self.table
         flat = ids.reshape(-1)
-        scales = t.scales[flat]  # [n, D/G]
+        scales = t.row_tensor("scales", flat)  # [n, D/G]
         if isinstance(t, Int8Linear):
-            rows = dequantize_int8(t.qweight[flat], scales, scales.dtype)
+            rows = dequantize_int8(t.row_tensor("qweight", flat), scales, scales.dtype)
         else:
             assert isinstance(t, Int4Linear)
-            levels = unpack_nibbles(t.qweight[flat])
-            rows = dequantize_int4(levels, scales, t.mins[flat], scales.dtype)
+            levels = unpack_nibbles(t.row_tensor("qweight", flat))
+            rows = dequantize_int4(levels, scales, t.row_tensor("mins", flat), scales.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def logits(self, x: Tensor) -> Tensor:

@@ -17,8 +17,9 @@ sequences runs in bucket ``B``: rows ``n..B-1`` are padding, whose one token wri
 key/value to the pool's scratch block (block ``N``, which the manager never hands out)
 and attends to that key alone, so it never reads or writes a live sequence's KV.
 
-Steps with a prefill chunk, speculative drafts or more sequences than the largest bucket
-run eagerly. A model with recurrent layers, a quantized KV pool, a dtype or pattern the
+Steps with a prompt chunk run in the compiled prompt step
+(:mod:`attnlab.serving.step_buckets`); speculative drafts and decode steps of more
+sequences than the largest bucket run eagerly. A model with recurrent layers, a quantized KV pool, a dtype or pattern the
 kernel does not run, or a named backend other than ``paged_kernel`` is refused with the
 reason (:func:`bucket_refusal`).
 
@@ -330,17 +331,16 @@ class DecodeBuckets:
 def enable_for_serving(
     engine: object, sizes: Sequence[int] | None, *, required: bool, prefill: bool = True
 ) -> str:
-    """Compile ``engine``'s decode buckets now (a server's start), and its prefill steps
-    (:mod:`attnlab.serving.step_buckets`: one graph per decode-row bucket up to the
-    largest size, taking the engine's token budget), or say why not.
+    """Compile ``engine``'s decode buckets now (a server's start), and its prompt steps
+    (:mod:`attnlab.serving.step_buckets`: one graph for every step with prompt chunks,
+    fresh or continuing, beside any number of decode rows), or say why not.
 
     Args:
-        engine: a :class:`~attnlab.serving.Engine` (its ``runner``, ``max_model_len`` and
-            ``max_num_batched_tokens``).
+        engine: a :class:`~attnlab.serving.Engine` (its ``runner`` and ``max_model_len``).
         sizes: the bucket sizes, or None (every step eager, prefill steps too).
         required: the user asked for the buckets: a refusal is an error (else it is
             logged and the server decodes eagerly).
-        prefill: also compile the steps with fresh prefill chunks.
+        prefill: also compile the steps with prompt chunks.
 
     Returns:
         What the server's banner says about decoding.
@@ -357,8 +357,6 @@ def enable_for_serving(
             raise ValueError(f"--decode-buckets: compiled decode buckets refused: {reason}")
         log.info("compiled decode buckets refused: %s", reason)
         return f"eager decode steps (compiled buckets refused: {reason})"
-    from attnlab.serving.step_buckets import DEFAULT_ROWS
-
     t = time.perf_counter()
     max_len: int = engine.max_model_len  # type: ignore[attr-defined]
     runner.compile_buckets(sizes, max_model_len=max_len)
@@ -367,10 +365,7 @@ def enable_for_serving(
     said = f"decode steps compiled at batch sizes {listed} (in {secs:.0f} s)"
     if not prefill:
         return said
-    rows = tuple(r for r in DEFAULT_ROWS if r <= max(sizes)) or (0,)
     t = time.perf_counter()
-    budget: int = engine.max_num_batched_tokens  # type: ignore[attr-defined]
-    runner.compile_prefill(rows, max_model_len=max_len, max_tokens=budget)
+    runner.compile_prefill(max_model_len=max_len)
     secs = time.perf_counter() - t
-    listed = ",".join(map(str, rows))
-    return f"{said}; steps with new prompts beside {listed} decode rows (in {secs:.0f} s)"
+    return f"{said}; steps with prompts beside any decode rows (one graph, in {secs:.0f} s)"

@@ -45,6 +45,7 @@ from attnlab.serving.lifecycle import QueueFull, RequestLifecycle
 from attnlab.serving.metrics import EngineMetrics
 from attnlab.serving.output_processor import OutputProcessor
 from attnlab.serving.outputs import CompletionDelta, Request, RequestOutput, Seq, TokenLogprob
+from attnlab.serving.request_timing import gc_clock
 from attnlab.serving.runner import ModelRunner, layer_specs, pool_for
 from attnlab.serving.scheduler import Scheduler
 from attnlab.serving.speculative import GeneratorRewind, accepted_prefix, check_speculative
@@ -202,6 +203,7 @@ class Engine(RequestLifecycle):
             eos_ids=eos_ids, max_model_len=self.max_model_len, metrics=self.metrics
         )
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % (1 << 31)))
+        self._gc = gc_clock()  # the collector's pauses, per step (request_timing)
 
     # ------------------------------------------------------------------ the step
 
@@ -224,12 +226,16 @@ class Engine(RequestLifecycle):
             if scheduled.draft_slots:
                 draft_probs = self._propose(rows, drafts, scheduled.draft_slots)
         keep = [n if seq.seq_id in drafts else 1 for seq, n in rows] if drafts else None
+        # the requests whose prompt this step runs (their timings: request_timing)
+        prompting = [s.request for s, _ in rows if s.index == 0 and s.request.first_token_time is None]  # fmt: skip
+        gc0, kinds0, t_fwd = self._gc.seconds, self._graph_steps(), time.perf_counter()
         try:  # one flat forward of every row's tokens
             logits = self.runner.run([(seq.seq_id, n) for seq, n in rows], keep).float()  # [R, V]
         except Exception as e:  # the step's requests fail; the engine goes on
             for seq, _ in rows:
                 self._fail(seq.request, f"the forward failed: {type(e).__name__}: {e}")
             return self._collect()
+        t_fwd = time.perf_counter() - t_fwd
         done: list[tuple[int, Seq]] = []
         first = 0  # the row's first logits
         for seq, n in rows:
@@ -256,7 +262,26 @@ class Engine(RequestLifecycle):
             running=len(self.running),
             waiting=len(self.waiting),
         )
+        if prompting:
+            kind = self._step_kind(kinds0)
+            gc_s, step_s = self._gc.seconds - gc0, time.perf_counter() - t0
+            for req in prompting:
+                req.timing.add_step(
+                    start=t0, forward=t_fwd, step=step_s, gc=gc_s, kind=kind, batch=len(rows)
+                )
         return self._collect()
+
+    def _graph_steps(self) -> tuple[int, int]:
+        """Steps run so far by the decode buckets and by the compiled prompt steps."""
+        b, p = self.runner.buckets, self.runner.prefill
+        return (b.steps if b is not None else 0, p.steps if p is not None else 0)
+
+    def _step_kind(self, before: tuple[int, int]) -> str:
+        """Which path ran the step whose forward started at ``before`` steps."""
+        after = self._graph_steps()
+        if after[1] > before[1]:
+            return "prompt-graph"
+        return "decode-graph" if after[0] > before[0] else "eager"
 
     def _propose(
         self, rows: list[tuple[Seq, int]], drafts: dict[Any, list[int]], slots: dict[Any, int]

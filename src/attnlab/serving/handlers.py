@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from attnlab.serving.access_log import record_usage
+from attnlab.serving.access_log import record_timings, record_usage
 from attnlab.serving.async_engine import AsyncEngine
 from attnlab.serving.engine import QueueFull
 from attnlab.serving.engine_client import EngineProcess
@@ -177,6 +177,8 @@ class Routes:
                     continue
                 if out.error is not None:
                     raise APIError(500, f"the request failed: {out.error}", code="request_failed")
+                if out.timings is not None:
+                    record_timings(out.timings)
                 yield i, out
         finally:
             for t in tasks:

@@ -92,9 +92,18 @@ class OutputProcessor:
             deltas = [d for seq in req.seqs if (d := self._delta(seq)) is not None]
             finished = req.finished
             if deltas or finished:
+                timings = (
+                    req.timing.summary(req.arrival, req.first_token_time) if finished else None
+                )
                 outs.append(
                     RequestOutput(
-                        rid, deltas, finished, len(req.prompt_ids), req.cached_tokens, req.error
+                        rid,
+                        deltas,
+                        finished,
+                        len(req.prompt_ids),
+                        req.cached_tokens,
+                        req.error,
+                        timings,
                     )
                 )
             if finished:

@@ -18,6 +18,7 @@ import torch
 
 from attnlab.serving.detokenize import IncrementalDetokenizer
 from attnlab.serving.params import SamplingParams
+from attnlab.serving.request_timing import RequestTiming
 
 __all__ = [
     "CompletionDelta",
@@ -72,6 +73,8 @@ class RequestOutput:
         prompt_tokens: prompt length.
         cached_tokens: prompt tokens taken from the prefix cache.
         error: why the request failed inside a step (it alone; the engine goes on).
+        timings: on the last output, where its time to first token went
+            (:meth:`~attnlab.serving.request_timing.RequestTiming.summary`), else None.
     """
 
     request_id: str
@@ -80,6 +83,7 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int = 0
     error: str | None = None
+    timings: dict[str, Any] | None = None
 
 
 @dataclass(eq=False)  # identity: the scheduler looks sequences up in lists
@@ -96,6 +100,7 @@ class Request:
     cached_tokens: int = 0
     first_token_time: float | None = None
     error: str | None = None
+    timing: RequestTiming = field(default_factory=RequestTiming)
 
     @property
     def finished(self) -> bool:

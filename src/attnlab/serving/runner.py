@@ -18,6 +18,7 @@ per sequence (:class:`~attnlab.cache.state_slots.StateSlots`). A hybrid holds bo
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -32,9 +33,12 @@ from attnlab.cache.recurrent import RecurrentState
 from attnlab.cache.state_slots import SlotTable, StateSlots
 from attnlab.models.flat import FlatBatch
 from attnlab.serving.decode_buckets import DEFAULT_SIZES, DecodeBuckets
-from attnlab.serving.step_buckets import DEFAULT_ROWS, PrefillBuckets
+from attnlab.serving.step_buckets import PromptSteps
 
 __all__ = ["FlatRow", "ModelRunner", "flat_inputs", "layer_specs", "pool_for"]
+
+#: The ranges of decode rows beside prompts that :meth:`ModelRunner.step_kind` names.
+_ROW_RANGES = ((1, 8), (9, 16), (17, 32))
 
 #: One row of a flat step: ``(start, tokens, blocks)``: ``tokens`` run from position
 #: ``start`` of a sequence whose KV lives in ``blocks`` (its block ids, in order).
@@ -182,8 +186,11 @@ class ModelRunner:
         self.block_rows = BlockRows(self.manager)
         #: compiled decode steps (:meth:`compile_buckets`), or None: every step eager
         self.buckets: DecodeBuckets | None = None
-        #: compiled steps with fresh prefill chunks (:meth:`compile_prefill`), or None
-        self.prefill: PrefillBuckets | None = None
+        #: compiled steps with prompt chunks (:meth:`compile_prefill`), or None
+        self.prefill: PromptSteps | None = None
+        #: steps run so far per kind (:func:`step_kind`), e.g. ``"prompts beside 9-32
+        #: decode rows, compiled"``: which steps the compiled graphs take
+        self.step_kinds: Counter[str] = Counter()
 
     def compile_buckets(
         self,
@@ -205,23 +212,15 @@ class ModelRunner:
             self.buckets.warm()
         return self.buckets
 
-    def compile_prefill(
-        self,
-        rows: Sequence[int] = DEFAULT_ROWS,
-        *,
-        max_model_len: int,
-        max_tokens: int,
-        warm: bool = True,
-    ) -> PrefillBuckets:
-        """Run steps with fresh prefill chunks through forwards compiled once per
-        decode-row bucket (:mod:`attnlab.serving.step_buckets`); ``warm``: compile now.
+    def compile_prefill(self, *, max_model_len: int, warm: bool = True) -> PromptSteps:
+        """Run steps with prompt chunks (fresh or continuing, beside any number of decode
+        rows) through one compiled forward (:mod:`attnlab.serving.step_buckets`);
+        ``warm``: compile it now.
 
         Raises:
-            ValueError: a model the buckets cannot run (the reason), or bad rows.
+            ValueError: a model the graph cannot run (the reason).
         """
-        self.prefill = PrefillBuckets(
-            self, rows, max_model_len=max_model_len, max_tokens=max_tokens
-        )
+        self.prefill = PromptSteps(self, max_model_len=max_model_len)
         if warm:
             self.prefill.warm()
         return self.prefill
@@ -292,6 +291,27 @@ class ModelRunner:
             first_block=tuple(first),
         )
 
+    def step_kind(
+        self, rows: Sequence[tuple[SeqId, int]], keep: Sequence[int] | None = None
+    ) -> str:
+        """What a step carries: ``"decode"`` (one token per row), ``"drafts"`` (a row
+        verifies speculative tokens), else ``"fresh prompts"`` (every chunk starts its
+        sequence) or ``"continuing prompts"`` (a chunk after computed tokens: a prefix
+        hit or a second chunk), with ``"beside D decode rows"`` in ranges 0, 1-8, 9-16,
+        17-32, 33+."""
+        if keep is not None and any(k != 1 for k in keep):
+            return "drafts"
+        m = self.manager
+        computed = [m.num_computed(sid) for sid, _ in rows]
+        decode = sum(1 for (_, n), c in zip(rows, computed) if n == 1 and c > 0)
+        if decode == len(rows):
+            return "decode"
+        fresh = all(c == 0 for (_, n), c in zip(rows, computed) if n > 1 or c == 0)
+        what = "fresh prompts" if fresh else "continuing prompts"
+        near = next((f"{lo}-{hi}" for lo, hi in _ROW_RANGES if decode <= hi), "33+")
+        near = "0" if decode == 0 else near
+        return f"{what} beside {near} decode rows"
+
     def run(self, rows: Sequence[tuple[SeqId, int]], keep: Sequence[int] | None = None) -> Tensor:
         """One forward over the step's rows: logits ``[n_s, V]`` of each row's last token
         (``[sum(keep), V]``: of each row's last ``keep[i]`` tokens, the drafts a
@@ -299,11 +319,14 @@ class ModelRunner:
 
         The caller commits the rows' tokens in the manager after (``KVManager.commit``).
         """
+        kind = self.step_kind(rows, keep)
         if keep is None or all(k == 1 for k in keep):
             for compiled in (self.buckets, self.prefill):
                 out = compiled.run(rows) if compiled is not None else None
                 if out is not None:
+                    self.step_kinds[f"{kind}, compiled"] += 1
                     return out
+        self.step_kinds[f"{kind}, eager"] += 1
         ids, flat = self.batch(rows, keep)
         logits: Tensor = self.model.forward_flat(ids, flat, self.cache)  # type: ignore[operator]
         return logits

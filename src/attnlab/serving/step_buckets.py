@@ -1,10 +1,10 @@
-"""Compiled prefill steps: serving steps that carry fresh prefill chunks, compiled once per
-decode-row bucket with the step's token count dynamic.
+"""Compiled prompt steps: serving steps that carry prompt chunks (new prompts, prefix hits,
+second chunks) beside any number of decode rows, through one graph with both dynamic.
 
-Shape notation: ``D`` decode rows of the step, ``D_b`` its row bucket (``D <= D_b``),
-``T`` prefill tokens (padded up to a multiple of :data:`ALIGN`), ``N = D_b + T`` tokens
-of the flat row, ``C`` chunks, ``R = D_b + max_chunks`` logits rows, ``nb`` blocks per
-table row, ``V`` vocabulary.
+Shape notation: ``D`` decode rows of the step (padded to at least :data:`MIN_ROWS`),
+``C`` chunks, ``Q`` chunk tiles (each chunk cut into tiles of :data:`TILE` queries, its
+last tile padded; at least :data:`MIN_ROWS` tiles), ``N = D + Q * TILE`` tokens of the
+flat row, ``R`` logits rows, ``nb`` blocks per table row, ``V`` vocabulary.
 
 A step that admits a request runs its prompt (a chunk of it) beside one token of every
 decoding sequence. Eagerly, each of the model's layers pays the same Python and
@@ -12,27 +12,25 @@ dispatch work for it as for a decode step, plus unfused element-wise work over t
 chunk's tokens (norms, RoPE, the gated activation). vLLM compiles its forward once with
 the step's token count symbolic and runs attention as an opaque op over the step's
 metadata; this module does the same for attnlab's flat forward
-(:func:`~attnlab.models.flat.decoder_forward_flat`), one graph per decode-row bucket
-``D_b`` (default 0 and 8):
+(:func:`~attnlab.models.flat.decoder_forward_flat`), in one graph whose decode-row count
+``D`` and tile count ``Q`` are both symbolic:
 
-- the row is ``[D_b decode tokens | T chunk tokens]``; ``N`` is marked dynamic, so one
-  graph runs every chunk length up to the step's token budget (no token bucket to pad
-  to beyond :data:`ALIGN`);
-- the decode rows read the paged pool through the ``paged_kernel`` op (with the row
-  metadata as tensors, as :mod:`attnlab.serving.decode_buckets` does); padding rows
-  write to and read the pool's scratch block;
-- the chunks are *fresh* (no token of their sequence computed before: a new prompt with
-  no prefix-cache hit), so their keys are the step's new keys: one group
-  (:class:`~attnlab.backends.plan.SeqGroup` with ``segments``) attends them through
-  torch's kernel under a block-diagonal mask (each chunk sees its own keys, with the
-  model's causal or sliding-window pattern on positions); their keys and values still go
-  to their pool slots for the decode steps after. Padding tokens write to the scratch
-  block and see only each other.
+- the row is ``[D decode tokens | Q tiles of TILE chunk tokens]``;
+- every token's key/value is written to its pool slot first (padding to the pool's
+  scratch block, which the manager never hands out), then the attention reads the pool
+  in place through the ``paged_kernel`` op, as two groups of kernel rows: the decode
+  rows (one query each, over their sequence's blocks) and the tiles (``TILE`` queries
+  each, over their chunk's sequence's blocks up to the tile's last query, causal on
+  positions). A chunk's queries so see the keys computed before it (a prefix-cache hit,
+  the first chunks of a chunked prefill) and its own earlier keys alike, so fresh and
+  continuing chunks run the same graph, and ``TILE`` is the kernel's own query tile
+  (one kernel task per tile row, as the eager call of a chunk runs);
+- padding decode rows read the scratch block's first slot; a padding query of a tile
+  repeats its tile's last position (its logits are never read).
 
-Steps whose chunks are not fresh (a prefix-cache hit, the second chunk of a chunked
-prefill), with speculative drafts, more decode rows than the largest bucket, more than
-``max_chunks`` chunks or more tokens than ``max_tokens`` run eagerly (or, decode-only,
-in the decode buckets). The models refused are those the decode buckets refuse
+Steps with speculative drafts, decode-only steps (the decode buckets run those,
+:mod:`attnlab.serving.decode_buckets`) and contexts past the tables' width run
+otherwise. The models refused are those the decode buckets refuse
 (:func:`~attnlab.serving.decode_buckets.bucket_refusal`).
 """
 
@@ -54,71 +52,66 @@ from attnlab.models.flat import FlatBatch, decoder_forward_flat
 if TYPE_CHECKING:
     from attnlab.serving.runner import ModelRunner
 
-__all__ = ["ALIGN", "DEFAULT_ROWS", "PrefillBuckets"]
+__all__ = ["MIN_ROWS", "TILE", "PromptSteps"]
 
 log = logging.getLogger("attnlab.serving")
 
-#: The decode-row buckets of compiled prefill steps by default: a prompt alone, and
-#: beside up to 8 decoding sequences (beside 9-32, four prompts of 128 tokens measured
-#: no faster compiled, and each graph costs minutes of startup on a 30-layer model).
-DEFAULT_ROWS = (0, 8)
-#: Chunk tokens are padded up to a multiple of this (bounds the shapes the graph sees).
-ALIGN = 16
+#: Queries per kernel row of a chunk (``csrc/paged_attention.cpp``'s query tile).
+TILE = 16
+#: The fewest decode rows, tiles and logits rows a step is padded to: dynamo
+#: specialises sizes 0 and 1, so a smaller step would trace another graph.
+MIN_ROWS = 2
 
 
-class _PrefillBucket:
-    """One decode-row bucket ``D_b``: its plans (backend chosen) and its compiled step."""
+class _PromptGraph:
+    """The compiled prompt step: its plans (backend chosen) and its graph."""
 
-    def __init__(
-        self, runner: ModelRunner, rows: int, *, width: int, scratch: int, max_chunks: int
-    ) -> None:
+    def __init__(self, runner: ModelRunner, *, width: int, scratch: int) -> None:
         model = runner.model
         assert isinstance(model, DecoderLM)
-        self.model, self.cache, self.rows = model, runner.cache, rows
-        bs = runner.manager.block_size
-        self.block_size = bs
-        d = max(rows, 1)  # the kernel's template call (no decode row: never called)
+        self.model, self.cache = model, runner.cache
+        self.block_size = runner.manager.block_size
         from attnlab.serving.decode_buckets import kernel_plans
 
         self.host, self.template, self.plans = kernel_plans(
-            runner, d, width=width, scratch=scratch, what="the decode rows"
+            runner, MIN_ROWS, width=width, scratch=scratch, what="the prompt steps"
         )
-        self.decode_index = torch.arange(rows)
-        self.logits_rows = rows + max_chunks
         self.step: Callable[..., Tensor] = torch.compile(self._forward)
         self.seconds: float | None = None
 
     def _forward(
         self,
-        ids: Tensor,
-        positions: Tensor,
-        table: Tensor,
-        meta: Tensor,
-        write: Tensor,
-        segments: Tensor,
+        dec: Tensor,
+        dec_table: Tensor,
+        dec_meta: Tensor,
+        tiles: Tensor,
+        tile_table: Tensor,
+        tile_meta: Tensor,
         last: Tensor,
     ) -> Tensor:
-        """``ids [1, N]``, ``positions [1, N]``, ``table [D_b|1, nb]``, ``meta [D_b|1, 3]``,
-        ``write [N]``, ``segments [N]`` (each chunk token's chunk, ``-1`` padding),
-        ``last [R]`` -> logits ``[R, V]``."""
-        n, d = ids.shape[1], self.rows
-        blocks = BlockTable(table=table, block_size=self.block_size, meta=meta, **self.host)  # type: ignore[arg-type]
-        groups: list[SeqGroup] = []
-        if d:
-            di = self.decode_index
-            groups.append(SeqGroup(tuple(range(d)), 1, di, di, di, blocks))
-        ci = torch.arange(d, n)
-        groups.append(
-            SeqGroup((d,), n - d, ci, ci, torch.arange(n - d), None, segments=segments[d:])
+        """``dec [3, D]`` (ids, positions, write slots), ``dec_table [D, nb]``,
+        ``dec_meta [D, 3]``, ``tiles [3, Q, TILE]``, ``tile_table [Q, nb]``,
+        ``tile_meta [Q, 3]``, ``last [R]`` -> logits ``[R, V]``."""
+        d, q = dec.shape[1], tiles.shape[1]
+        n = d + q * TILE
+        flat = torch.cat([dec, tiles.reshape(3, q * TILE)], dim=1)  # [3, N]
+        ids, positions, write = flat[0:1], flat[1:2], flat[2]
+        host, bs = self.host, self.block_size
+        dec_blocks = BlockTable(table=dec_table, block_size=bs, meta=dec_meta, **host)  # type: ignore[arg-type]
+        tile_blocks = BlockTable(table=tile_table, block_size=bs, meta=tile_meta, **host)  # type: ignore[arg-type]
+        di, ti = torch.arange(d), torch.arange(d, n)
+        groups = (  # rows () : their count is symbolic (len(spread) // width)
+            SeqGroup((), 1, di, di, di, dec_blocks),
+            SeqGroup((), TILE, ti, ti, torch.arange(n - d), tile_blocks),
         )
-        layout = replace(self.template, groups=tuple(groups))
+        layout = replace(self.template, groups=groups)
         plans = {
             w: replace(
                 p,
                 positions=positions,
                 q_positions=positions,
                 layout=layout,
-                blocks=blocks,
+                blocks=dec_blocks,
                 write_slots=write,
             )
             for w, p in self.plans.items()
@@ -127,167 +120,151 @@ class _PrefillBucket:
         return decoder_forward_flat(self.model, ids, batch, self.cache, plans)
 
 
-class PrefillBuckets:
-    """The compiled prefill steps of a :class:`~attnlab.serving.runner.ModelRunner`.
+class PromptSteps:
+    """The compiled prompt steps of a :class:`~attnlab.serving.runner.ModelRunner`: one
+    graph for every step that carries prompt chunks beside decode rows.
 
     Args:
-        runner: the runner whose steps with fresh prefill chunks run compiled.
-        rows: the decode-row buckets ``D_b`` (a step of ``D`` decode rows runs in the
-            smallest ``D_b >= D``; more than the largest runs eagerly).
+        runner: the runner whose steps with prompt chunks run compiled.
         max_model_len: the longest context a sequence may reach (the tables' width).
-        max_tokens: the most chunk tokens a compiled step takes (the step's budget).
-        max_chunks: the most chunks a compiled step takes.
 
     Raises:
-        ValueError: rows that are not ints >= 0, a bound below 1, or a model the buckets
-            cannot run (the reason).
+        ValueError: a model the graph cannot run (the reason).
     """
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        rows: Sequence[int] = DEFAULT_ROWS,
-        *,
-        max_model_len: int,
-        max_tokens: int,
-        max_chunks: int = 4,
-    ) -> None:
+    def __init__(self, runner: ModelRunner, *, max_model_len: int) -> None:
         from attnlab.serving.decode_buckets import bucket_refusal, use_inductor_cache
 
-        if not rows or any(not isinstance(r, int) or r < 0 for r in rows):
-            raise ValueError(f"prefill bucket rows must be ints >= 0, got {rows!r}")
-        for name, value in (("max_tokens", max_tokens), ("max_chunks", max_chunks)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         reason = bucket_refusal(runner)
         if reason is not None:
-            raise ValueError(f"compiled prefill steps refused: {reason}")
+            raise ValueError(f"compiled prompt steps refused: {reason}")
         use_inductor_cache()
         self.runner = runner
-        self.rows = tuple(sorted(set(rows)))
         bs = runner.manager.block_size
         self.width = -(-max_model_len // bs)
-        self.max_tokens = -(-max_tokens // ALIGN) * ALIGN
-        self.max_chunks = max_chunks
         self.scratch = runner.pool.num_blocks  # the pool's spare block
-        self._buckets = {
-            r: _PrefillBucket(
-                runner, r, width=self.width, scratch=self.scratch, max_chunks=max_chunks
-            )
-            for r in self.rows
-        }
+        self.graph = _PromptGraph(runner, width=self.width, scratch=self.scratch)
         self.steps = 0  # steps run compiled
 
     @property
-    def compile_seconds(self) -> dict[int, float]:
-        """Seconds each warmed bucket took to compile (its first run)."""
-        return {r: b.seconds for r, b in self._buckets.items() if b.seconds is not None}
+    def compile_seconds(self) -> float | None:
+        """Seconds the graph took to compile (its first run), or None before."""
+        return self.graph.seconds
 
     def warm(self) -> float:
-        """Compile every bucket now (padding only: the scratch block is all it touches);
+        """Compile the graph now (padding only: the scratch block is all it touches);
         returns the seconds it took."""
         t0 = time.perf_counter()
-        for rows, bucket in self._buckets.items():
-            if bucket.seconds is None:
-                t = time.perf_counter()
-                self._call(bucket, [], [], [], [], [], 2 * ALIGN)
-                bucket.seconds = time.perf_counter() - t
-                log.info("compiled prefill step, %d decode rows, in %.1f s", rows, bucket.seconds)
+        if self.graph.seconds is None:  # sizes apart: dynamo gives equal sizes one symbol
+            self._call([], [[], [], []], [], [], [[], [], []], [], sizes=(2, 3, 4))
+            self.graph.seconds = time.perf_counter() - t0
+            log.info("compiled the prompt step in %.1f s", self.graph.seconds)
         return time.perf_counter() - t0
 
     def run(self, rows: Sequence[tuple[object, int]]) -> Tensor | None:
-        """Logits ``[n, V]`` of a step's rows, or None when the step is not one these
-        graphs run (no fresh chunk, a chunk that is not fresh, too many rows, chunks or
-        tokens, a context past the tables' width): the caller then runs it otherwise."""
+        """Logits ``[n, V]`` of a step's rows, or None when the step is not one this
+        graph runs (no prompt chunk, a context past the tables' width): the caller then
+        runs it otherwise."""
         m, bs = self.runner.manager, self.runner.manager.block_size
+        top = self.width * bs
         decode: list[tuple[object, int]] = []  # (seq_id, position)
-        chunks: list[tuple[object, int]] = []  # (seq_id, tokens)
+        chunks: list[tuple[object, int, int]] = []  # (seq_id, first position, tokens)
         for sid, n in rows:
-            s = m._seq(sid)  # type: ignore[arg-type]
-            if s.computed == 0:
-                chunks.append((sid, n))
-            elif n == 1:
-                decode.append((sid, s.computed))
+            c = m._seq(sid).computed  # type: ignore[arg-type]
+            if c + n > top:
+                return None
+            if n == 1 and c > 0:
+                decode.append((sid, c))
             else:
-                return None  # a chunk after computed tokens: its keys are in the pool
-        tokens = sum(n for _, n in chunks)
-        if (
-            not chunks
-            or len(decode) > self.rows[-1]
-            or len(chunks) > self.max_chunks
-            or tokens > self.max_tokens
-            or any(p + 1 > self.width * bs for _, p in decode)
-            or any(n > self.width * bs for _, n in chunks)
-        ):
+                chunks.append((sid, c, n))
+        if not chunks:
             return None
-        size = next(r for r in self.rows if r >= len(decode))
-        ids: list[int] = []
-        pos: list[int] = []
-        write: list[int] = []
-        meta: list[list[int]] = []
+        d = max(len(decode), MIN_ROWS)
+        dec: list[list[int]] = [[], [], []]  # ids, positions, write slots
+        dec_meta: list[list[int]] = []
         for sid, p in decode:
             s = m._seq(sid)  # type: ignore[arg-type]
-            ids.append(s.tokens[p])
-            pos.append(p)
-            write.append(s.blocks[p // bs] * bs + p % bs)
-            meta.append([p + 1, 0, s.first_live])
-        segs: list[int] = []
+            for col, v in zip(dec, (s.tokens[p], p, s.blocks[p // bs] * bs + p % bs)):
+                col.append(v)
+            dec_meta.append([p + 1, 0, s.first_live])
+        tiles: list[list[int]] = [[], [], []]
+        tile_meta: list[list[int]] = []
+        tile_sids: list[object] = []
         ends: dict[object, int] = {}
-        for c, (sid, n) in enumerate(chunks):
+        scratch = self.scratch * bs
+        for sid, c, n in chunks:
             s = m._seq(sid)  # type: ignore[arg-type]
-            ids += s.tokens[:n]
-            pos += range(n)
-            write += [s.blocks[p // bs] * bs + p % bs for p in range(n)]
-            segs += [c] * n
-            ends[sid] = size + len(segs) - 1
+            for lo in range(c, c + n, TILE):
+                hi = min(lo + TILE, c + n)  # the tile's real queries: positions lo..hi-1
+                for i in range(TILE):
+                    p = lo + i
+                    real = p < hi
+                    tiles[0].append(s.tokens[p] if real else 0)
+                    tiles[1].append(p if real else hi - 1)
+                    tiles[2].append(s.blocks[p // bs] * bs + p % bs if real else scratch + i % bs)
+                tile_meta.append([hi, 0, s.first_live])
+                tile_sids.append(sid)
+            ends[sid] = d + len(tiles[0]) - TILE + (c + n - 1 - lo)
         where = {sid: i for i, (sid, _) in enumerate(decode)}
         last = [where[sid] if sid in where else ends[sid] for sid, _ in rows]
-        bucket = self._buckets[size]
         sids = [sid for sid, _ in decode]
-        padded = -(-tokens // ALIGN) * ALIGN
-        out = self._call(bucket, sids, ids, pos, write, meta, padded, segs, last)
+        out = self._call(sids, dec, dec_meta, tile_sids, tiles, tile_meta, last)
         self.steps += 1
         return out[: len(rows)]
+
+    def _table(self, sids: list[object], rows: int) -> Tensor:
+        """``[rows, nb]`` block-table rows of ``sids`` (the scratch block past them)."""
+        table = torch.full((rows, self.width), self.scratch, dtype=torch.long)
+        if sids:
+            br = self.runner.block_rows
+            idx = torch.tensor(br.rows(sids), dtype=torch.long)  # type: ignore[arg-type]
+            held = min(br.table.shape[1], self.width)
+            table[: len(sids), :held] = br.table[:, :held].index_select(0, idx)
+        return table
 
     @torch.inference_mode()  # as the engine's step (see decode_buckets._call)
     def _call(
         self,
-        bucket: _PrefillBucket,
         sids: list[object],
-        ids: list[int],
-        pos: list[int],
-        write: list[int],
-        meta: list[list[int]],
-        tokens: int,
-        segs: Sequence[int] = (),
+        dec: list[list[int]],
+        dec_meta: list[list[int]],
+        tile_sids: list[object],
+        tiles: list[list[int]],
+        tile_meta: list[list[int]],
         last: Sequence[int] = (),
+        sizes: tuple[int, int, int] = (MIN_ROWS, MIN_ROWS, MIN_ROWS),
     ) -> Tensor:
-        size, bs, d = bucket.rows, self.runner.manager.block_size, len(sids)
-        rows = max(size, 1)
-        table = torch.full((rows, self.width), self.scratch, dtype=torch.long)
-        if d:
-            br = self.runner.block_rows
-            held = min(br.table.shape[1], self.width)
-            idx = torch.tensor(br.rows(sids), dtype=torch.long)  # type: ignore[arg-type]
-            table[:d, :held] = br.table[:, :held].index_select(0, idx)
-        pad_d, pad_c = size - d, tokens - len(segs)
-        scratch = self.scratch * bs
-
-        def t(x: Sequence[int]) -> Tensor:
-            return torch.tensor(list(x), dtype=torch.long)
-
-        dec_ids, chunk_ids = ids[:d], ids[d:]
-        dec_pos, chunk_pos = pos[:d], pos[d:]
-        ids_t = t(dec_ids + [0] * pad_d + chunk_ids + [0] * pad_c)[None]
-        pos_t = t(dec_pos + [0] * pad_d + chunk_pos + [0] * pad_c)[None]
-        write_t = t(
-            write[:d] + [scratch] * pad_d + write[d:] + [scratch + i % bs for i in range(pad_c)]
-        )
-        meta_t = t([v for r in meta for v in r] + [1, 0, 0] * (rows - d)).view(rows, 3)
-        seg_t = t([-2] * size + list(segs) + [-1] * pad_c)
-        last_t = t(list(last) + [0] * (bucket.logits_rows - len(last)))
-        for x, dim in ((ids_t, 1), (pos_t, 1), (write_t, 0), (seg_t, 0)):
+        """The graph's call over the step's host lists, padded to at least ``sizes``
+        (decode rows, tiles, logits rows)."""
+        scratch = self.scratch * self.runner.manager.block_size
+        d, q = max(len(sids), sizes[0]), max(len(tile_sids), sizes[1])
+        pad_d, pad_q = d - len(sids), (q - len(tile_sids)) * TILE
+        dec_t = torch.tensor(
+            [dec[0] + [0] * pad_d, dec[1] + [0] * pad_d, dec[2] + [scratch] * pad_d],
+            dtype=torch.long,
+        )  # [3, D]
+        tiles_t = torch.tensor(
+            [tiles[0] + [0] * pad_q, tiles[1] + [0] * pad_q, tiles[2] + [scratch] * pad_q],
+            dtype=torch.long,
+        ).view(3, q, TILE)
+        pads = [[1, 0, 0]] * (d - len(sids))
+        dec_meta_t = torch.tensor(dec_meta + pads, dtype=torch.long).view(d, 3)
+        pads = [[1, 0, 0]] * (q - len(tile_sids))
+        tile_meta_t = torch.tensor(tile_meta + pads, dtype=torch.long).view(q, 3)
+        last_t = torch.tensor(list(last) + [0] * (sizes[2] - len(last)), dtype=torch.long)
+        dec_table, tile_table = self._table(sids, d), self._table(tile_sids, q)
+        for x, dim in (
+            (dec_t, 1),
+            (dec_table, 0),
+            (dec_meta_t, 0),
+            (tiles_t, 1),
+            (tile_table, 0),
+            (tile_meta_t, 0),
+            (last_t, 0),
+        ):
             torch._dynamo.maybe_mark_dynamic(x, dim)
-        limit = max(8, 2 * len(self.rows))
-        with torch._dynamo.config.patch(recompile_limit=limit):
-            return bucket.step(ids_t, pos_t, table, meta_t, write_t, seg_t, last_t)
+        return self.graph.step(
+            dec_t, dec_table, dec_meta_t, tiles_t, tile_table, tile_meta_t, last_t
+        )

@@ -29,20 +29,18 @@ struct Scalar {
   static float hsum(T v) { return v; }
   static T base(T m) { return m == -kInf ? 0.f : m; }  // a row that saw no key: 0
   static T outside(T s, T i, T lo, T hi) { return i < lo || i > hi ? -kInf : s; }
-  static T exp(T x) {
-    if (x != x) return x;
-    if (x < kExpLo) return 0.f;
-    x = std::min(x, kExpHi);
-    const float fx = std::nearbyint(x * kLog2e);
-    const float r = (x - fx * kLn2Hi) - fx * kLn2Lo;
-    float y = kP0;
-    for (float c : {kP1, kP2, kP3, kP4, kP5}) y = y * r + c;
-    y = y * (r * r) + r + 1.f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
-    float pow2;
-    std::memcpy(&pow2, &bits, 4);
-    return y * pow2;
+  static T min(T a, T b) { return a < b ? a : b; }
+  static T fnma(T a, T b, T c) { return c - a * b; }
+  static T round(T x) { return std::nearbyint(x); }
+  static T pow2(T n) {  // 2^n for an integral n in [-126, 127]; NaN stays NaN
+    if (n != n) return n;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
   }
+  static T zero_below(T y, T x, float lo) { return x < lo ? 0.f : y; }
+  static T exp(T x);
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -75,18 +73,17 @@ struct Avx2 {
     const T out = _mm256_or_ps(_mm256_cmp_ps(i, lo, _CMP_LT_OQ), _mm256_cmp_ps(i, hi, _CMP_GT_OQ));
     return _mm256_blendv_ps(s, set1(-kInf), out);
   }
-  static T exp(T x) {
-    const T under = _mm256_cmp_ps(x, set1(kExpLo), _CMP_LT_OQ);
-    x = _mm256_max_ps(set1(kExpLo), _mm256_min_ps(set1(kExpHi), x));  // NaN stays NaN
-    const T fx = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = _mm256_fnmadd_ps(fx, set1(kLn2Lo), _mm256_fnmadd_ps(fx, set1(kLn2Hi), x));
-    T y = set1(kP0);
-    for (float c : {kP1, kP2, kP3, kP4, kP5}) y = fma(y, r, set1(c));
-    y = fma(y, mul(r, r), add(r, set1(1.f)));
-    const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-    y = mul(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-    return _mm256_blendv_ps(y, zero(), under);
+  static T min(T a, T b) { return _mm256_min_ps(a, b); }
+  static T fnma(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T pow2(T n) {  // 2^n for integral lanes in [-126, 127]
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
   }
+  static T zero_below(T y, T x, float lo) {
+    return _mm256_blendv_ps(y, zero(), _mm256_cmp_ps(x, set1(lo), _CMP_LT_OQ));
+  }
+  static T exp(T x);
 };
 #endif
 
@@ -114,17 +111,39 @@ struct Avx512 {
     const __mmask16 out = _mm512_cmp_ps_mask(i, lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(i, hi, _CMP_GT_OQ);
     return _mm512_mask_blend_ps(out, s, set1(-kInf));
   }
-  static T exp(T x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, set1(kExpLo), _CMP_LT_OQ);
-    x = _mm512_max_ps(set1(kExpLo), _mm512_min_ps(set1(kExpHi), x));  // NaN stays NaN
-    const T fx = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = _mm512_fnmadd_ps(fx, set1(kLn2Lo), _mm512_fnmadd_ps(fx, set1(kLn2Hi), x));
-    T y = set1(kP0);
-    for (float c : {kP1, kP2, kP3, kP4, kP5}) y = fma(y, r, set1(c));
-    y = fma(y, mul(r, r), add(r, set1(1.f)));
-    const __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
-    y = mul(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
-    return _mm512_mask_blend_ps(under, y, zero());
+  static T min(T a, T b) { return _mm512_min_ps(a, b); }
+  static T fnma(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
+  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T pow2(T n) {  // 2^n for integral lanes in [-126, 127]
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
   }
+  static T zero_below(T y, T x, float lo) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(lo), _CMP_LT_OQ), y, zero());
+  }
+  static T exp(T x);
 };
+#endif
+
+// exp(x) for every width, from the primitives above: clamp (NaN passes through both
+// bounds), split x = n ln2 + r, evaluate the polynomial, scale by 2^n; below kExpLo the
+// result is 0 (it would be subnormal).
+template <class V>
+inline typename V::T poly_exp(typename V::T x0) {
+  using T = typename V::T;
+  const T x = V::max(V::set1(kExpLo), V::min(V::set1(kExpHi), x0));
+  const T n = V::round(V::mul(x, V::set1(kLog2e)));
+  const T r = V::fnma(n, V::set1(kLn2Lo), V::fnma(n, V::set1(kLn2Hi), x));
+  T y = V::set1(kP0);
+  for (float c : {kP1, kP2, kP3, kP4, kP5}) y = V::fma(y, r, V::set1(c));
+  y = V::fma(y, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::zero_below(V::mul(y, V::pow2(n)), x0, kExpLo);
+}
+
+inline Scalar::T Scalar::exp(T x) { return poly_exp<Scalar>(x); }
+#if defined(__AVX2__) && defined(__FMA__)
+inline Avx2::T Avx2::exp(T x) { return poly_exp<Avx2>(x); }
+#endif
+#if defined(__AVX512F__)
+inline Avx512::T Avx512::exp(T x) { return poly_exp<Avx512>(x); }
 #endif

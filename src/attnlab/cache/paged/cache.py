@@ -113,7 +113,7 @@ class PagedKVCache(KVCache):
                     f"the paged pool holds {storage.kv_dtype} levels, read by gathering only; "
                     f"the plan's backend {plan.backend.name!r} reads the pools directly"
                 )
-            return KVView(kp, vp, None, plan.blocks, new_key=key, new_value=value)
+            return KVView(kp, vp, None, plan.blocks)
         idx, pos = plan.blocks.gather_index()  # [n_s * T], [n_s, T]
         n, t = pos.shape
         h = kp.shape[1]
