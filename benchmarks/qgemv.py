@@ -14,6 +14,7 @@ Usage::
 
     python benchmarks/qgemv.py --threads 1
     python benchmarks/qgemv.py --threads 2 --sequence
+    python benchmarks/qgemv.py --threads 2 --sequence --fused    # q/k/v, gate/up joined
 
 ``--sequence`` also prints each shape's time per call inside the sequence against its
 bytes over the copy bandwidth of a 256 MiB buffer (the floor of ``benchmarks/llamacpp.py``).
@@ -44,6 +45,8 @@ def best_us(fn: Callable[[], object], n: int = 50) -> float:
 
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+# the same layer with q/k/v and gate/up joined (modules.quant_concat): 4 calls instead of 7
+FUSED = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def bandwidth_gbs() -> float:
@@ -58,7 +61,7 @@ def bandwidth_gbs() -> float:
     return 2 * a.numel() * 4 / best / 1e9
 
 
-def sequence(rows: int, bw: float | None = None) -> None:
+def sequence(rows: int, bw: float | None = None, layer: list[tuple[int, int]] = LAYER) -> None:
     """ms per token of 211 distinct one-row matmuls (cold weights), q8dot against q8tile,
     and (``bw``: the copy bandwidth, GB/s) each shape's time per call inside the sequence."""
     from attnlab.backends.qmatmul_cpu import qgemv_q8, qgemv_q8t, tile_weights, tiled_unavailable
@@ -66,7 +69,7 @@ def sequence(rows: int, bw: float | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     for kind in ("Q8_0", "Q4_1"):
         mats = []
-        for n, k in LAYER * 30 + [(49152, 576)]:
+        for n, k in layer * 30 + [(49152, 576)]:
             s = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
             if kind == "Q8_0":
                 q, m = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), None
@@ -117,12 +120,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sequence", action="store_true", help="a decode step's distinct matrices")
     p.add_argument("--rows", type=int, default=1, help="rows of activations (--sequence)")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="--sequence with q/k/v and gate/up joined: 121 calls a token instead of 211",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.sequence:
         bw = bandwidth_gbs()
         print(f"{torch.get_num_threads()} thread(s), copy bandwidth {bw:.1f} GB/s")
-        sequence(args.rows, bw)
+        sequence(args.rows, bw, FUSED if args.fused else LAYER)
         return
     from attnlab.backends.qmatmul import KERNELS
     from attnlab.backends.qmatmul_cpu import (

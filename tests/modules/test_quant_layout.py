@@ -74,7 +74,11 @@ def test_loading_setting_and_casting_bring_the_rows_back() -> None:
         assert torch.equal(fresh(x), y)
     fresh.to("cpu")  # a move that moves nothing keeps the tiles
     assert fresh.layout == "tiled"
-    fresh.double()  # a cast is done on the rows
+    fresh.half()  # a cast is done on the rows (the tiles' float16 scales included)
+    assert fresh.layout == "rows" and fresh.scales.dtype == torch.float16
+    with use_kernel("q8tile"):
+        fresh(x)
+    fresh.double()
     assert fresh.layout == "rows" and fresh.scales.dtype == torch.float64
     fresh.set_weights(saved["qweight"], saved["scales"])
     assert torch.equal(fresh.qweight, saved["qweight"])

@@ -213,8 +213,11 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        if self._tiled is not None and any(fn(t) is not t for t in self._tiled if t is not None):
-            self._ensure_rows()  # a cast or a move: done on the rows, tiled again on use
+        if self._tiled is not None:
+            probe = torch.empty(0, dtype=self._row_dtype, device=self._tiled[1].device)
+            moved = fn(probe)  # what fn would make of the rows' scales
+            if moved.dtype != probe.dtype or moved.device != probe.device:
+                self._ensure_rows()  # a cast or a move: done on the rows, tiled again on use
         self._forms.clear()
         return super()._apply(fn, recurse)
 
