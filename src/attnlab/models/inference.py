@@ -9,11 +9,20 @@ gives a tied LM head (the token embeddings) a
 (:mod:`attnlab.backends.linear_pack`). Parameters, the state dict and tying are unchanged.
 Packing is for inference: it refuses a model in training mode, a packed layer refuses a
 call that needs gradients, and :func:`unpack_model` restores the plain layers.
+
+By default it also fuses each self-attention's q/k/v and each gated MLP's gate/up into one
+laid-out weight (:func:`attnlab.models.fuse.fuse_projections`: 4 matmul calls per decoder
+layer instead of 7); ``fuse=False``, or ``ATTNLAB_FUSE=0`` in the environment for the
+callers that pack on their own (the serving decode buckets, compiled ``generate``), keeps
+the separate layers. The layers a fused weight replaces are left as plain ``nn.Linear``
+(their forward is not called while it is fused), so fusing costs one copy of those weights
+more than packing them would.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,14 +30,41 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.backends.linear_pack import PackedLinear
+from attnlab.models.fuse import fuse_projections, fused_projections, unfuse_projections
 from attnlab.modules.packed_linear import PackedLinearLayer
 
-__all__ = ["DEFAULT_ROWS", "pack_model", "packed_linears", "packing_report", "unpack_model"]
+__all__ = [
+    "DEFAULT_ROWS",
+    "FUSE_BY_DEFAULT",
+    "default_fuse",
+    "pack_model",
+    "packed_linears",
+    "packing_report",
+    "unpack_model",
+]
 
 log = logging.getLogger(__name__)
 
 #: the row counts packed for by default (the serving engine's decode buckets)
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
+
+#: whether :func:`pack_model` fuses q/k/v and gate/up unless told (measured faster at
+#: decode-step rows: docs/benchmarks.md, "Fused q/k/v and gate/up")
+FUSE_BY_DEFAULT = True
+
+
+def default_fuse() -> bool:
+    """:data:`FUSE_BY_DEFAULT`, unless ``ATTNLAB_FUSE`` is set to ``1`` or ``0``.
+
+    Raises:
+        ValueError: ``ATTNLAB_FUSE`` set to anything else.
+    """
+    value = os.environ.get("ATTNLAB_FUSE")
+    if value is None or value == "":
+        return FUSE_BY_DEFAULT
+    if value not in ("0", "1"):
+        raise ValueError(f"ATTNLAB_FUSE must be 1 (fuse q/k/v and gate/up) or 0, got {value!r}")
+    return value == "1"
 
 
 def _refusal(weight: Tensor) -> str | None:
@@ -46,6 +82,7 @@ def pack_model(
     rows: Sequence[int] = DEFAULT_ROWS,
     kernel: str = "auto",
     head: bool = True,
+    fuse: bool | None = None,
 ) -> nn.Module:
     """Pack ``model``'s float linears for ``rows``-row calls, in place, and return it.
 
@@ -57,6 +94,8 @@ def pack_model(
         kernel: ``"auto"`` (measured) or a kernel of
             :data:`~attnlab.backends.linear_pack.GEMM_KERNELS` for every layer.
         head: also pack a tied LM head (the embeddings' matrix).
+        fuse: fuse q/k/v and gate/up into one laid-out weight each
+            (:func:`attnlab.models.fuse.fuse_projections`); None: :func:`default_fuse`.
 
     Returns:
         ``model``; a layer already packed is packed again for ``rows``. Layers left as
@@ -70,11 +109,18 @@ def pack_model(
             "pack_model prepares a model for inference: the model is in training mode "
             "(call model.eval() first; packed layers refuse calls that need gradients)"
         )
+    if fuse is None:
+        fuse = default_fuse()
+    elif not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool or None, got {fuse!r}")
     unpack_model(model)
+    if fuse:
+        fuse_projections(model, rows=rows, kernel=kernel)
+    fused = {id(layer) for f in fused_projections(model).values() for layer in f.layers}
     kept: list[str] = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is not nn.Linear:
+            if type(child) is not nn.Linear or id(child) in fused:
                 continue
             full = f"{name}.{child_name}" if name else child_name
             why = _refusal(child.weight)
@@ -101,7 +147,8 @@ def pack_model(
 
 def unpack_model(model: nn.Module) -> nn.Module:
     """Undo :func:`pack_model` in place (plain ``nn.Linear`` layers over the same
-    parameters, no packed head) and return ``model``."""
+    parameters, no fused projections, no packed head) and return ``model``."""
+    unfuse_projections(model)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, PackedLinearLayer):
@@ -112,9 +159,10 @@ def unpack_model(model: nn.Module) -> nn.Module:
 
 
 def packed_linears(model: nn.Module) -> dict[str, PackedLinear]:
-    """Every packed linear of ``model`` by its qualified name (a tied head as
-    ``"packed_head"``)."""
+    """Every packed linear of ``model`` by its qualified name (a fused projection's as
+    ``"....fused_qkv"``, a tied head as ``"packed_head"``)."""
     out = {n: m.packed for n, m in model.named_modules() if isinstance(m, PackedLinearLayer)}
+    out.update({n: f.packed for n, f in fused_projections(model).items() if f.packed is not None})
     head = getattr(model, "packed_head", None)
     if isinstance(head, PackedLinear):
         out["packed_head"] = head
@@ -123,12 +171,15 @@ def packed_linears(model: nn.Module) -> dict[str, PackedLinear]:
 
 def packing_report(model: nn.Module) -> dict[str, Any]:
     """How ``model``'s packed linears multiply: ``{"kernels": {rows: {kernel: layers}},
-    "why": {rows: {kernel: one decision as text}}, "extra_bytes": int}``."""
+    "why": {rows: {kernel: one decision as text}}, "fused": number of fused projections,
+    "extra_bytes": int}`` (the fused copies counted in the bytes)."""
     kernels: dict[int, dict[str, int]] = {}
     why: dict[int, dict[str, str]] = {}
-    extra = 0
+    fused = fused_projections(model)
+    extra = sum(f.extra_bytes for f in fused.values())
+    ids = {id(f.packed) for f in fused.values()}
     for p in packed_linears(model).values():
-        extra += p.extra_bytes
+        extra += 0 if id(p) in ids else p.extra_bytes
         for b, c in p.choices.items():
             counts = kernels.setdefault(b, {})
             counts[c.chosen] = counts.get(c.chosen, 0) + 1
@@ -136,5 +187,6 @@ def packing_report(model: nn.Module) -> dict[str, Any]:
     return {
         "kernels": dict(sorted(kernels.items())),
         "why": dict(sorted(why.items())),
+        "fused": len(fused),
         "extra_bytes": extra,
     }

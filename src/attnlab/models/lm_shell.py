@@ -55,10 +55,15 @@ class CausalLMShell(nn.Module):
         return cast(Tensor, self.lm_head.weight)
 
     def prepare_inference(
-        self, *, rows: Sequence[int] = (1, 2, 4, 8, 16, 32), kernel: str = "auto"
+        self,
+        *,
+        rows: Sequence[int] = (1, 2, 4, 8, 16, 32),
+        kernel: str = "auto",
+        fuse: bool | None = None,
     ) -> CausalLMShell:
         """Lay out the float linears (and a tied head) for ``rows``-row decode steps, each
-        kernel chosen by measurement; see :func:`attnlab.models.inference.pack_model`
+        kernel chosen by measurement, with q/k/v and gate/up fused unless ``fuse=False``;
+        see :func:`attnlab.models.inference.pack_model`
         (``attnlab.models.inference.unpack_model`` undoes it). Returns the model.
 
         Raises:
@@ -66,7 +71,7 @@ class CausalLMShell(nn.Module):
         """
         from attnlab.models.inference import pack_model
 
-        return cast(CausalLMShell, pack_model(self, rows=rows, kernel=kernel))
+        return cast(CausalLMShell, pack_model(self, rows=rows, kernel=kernel, fuse=fuse))
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
         """Generate tokens; see :func:`attnlab.generation.generate` for the arguments."""

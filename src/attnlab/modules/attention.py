@@ -49,6 +49,7 @@ from attnlab.functional._checks import (
 from attnlab.functional.attention import AttnMask
 from attnlab.functional.masks import combine, padding, padding_mask
 from attnlab.modules.attention_layouts import layout_state_dict
+from attnlab.modules.fused_linear import FusedProjection
 from attnlab.modules.linear import make_linear
 
 __all__ = ["MultiHeadAttention"]
@@ -153,6 +154,9 @@ class MultiHeadAttention(nn.Module):
         )
         self.q_norm = q_norm
         self.k_norm = k_norm
+        #: q/k/v as one matmul for self-attention (inference-only derived state, not a
+        #: submodule: :func:`attnlab.models.fuse.fuse_projections`), or None
+        self.fused_qkv: FusedProjection | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -241,14 +245,18 @@ class MultiHeadAttention(nn.Module):
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """``(q [B, H, L, h_d], k [B, H_kv, S, h_d], v [B, H_kv, S, h_d])``."""
         kv_in = x if context is None else context
-        q_flat, k_flat = self.q_proj(x), self.k_proj(kv_in)  # [b, L, H*h_d], [b, S, H_kv*h_d]
+        if self.fused_qkv is not None and context is None:
+            q_flat, k_flat, v_flat = self.fused_qkv(x)  # views of one [b, L, (H+2H_kv)*h_d]
+        else:
+            q_flat, k_flat = self.q_proj(x), self.k_proj(kv_in)  # [b, L, H*h_d], [b, S, H_kv*h_d]
+            v_flat = self.v_proj(kv_in)  # [b, S, H_kv*h_d]
         if self.q_norm is not None:
             q_flat = self.q_norm(q_flat)
         if self.k_norm is not None:
             k_flat = self.k_norm(k_flat)
         q = self._split(q_flat, self.num_heads)  # [b, H, L, h_d]
         k = self._split(k_flat, self.num_kv_heads)  # [b, H_kv, S, h_d]
-        v = self._split(self.v_proj(kv_in), self.num_kv_heads)  # [b, H_kv, S, h_d]
+        v = self._split(v_flat, self.num_kv_heads)  # [b, H_kv, S, h_d]
         return q, k, v
 
     def _query(self, x: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from attnlab.functional._checks import check_positive_int, check_probability
 from attnlab.modules.activations import get_activation
+from attnlab.modules.fused_linear import FusedProjection
 from attnlab.modules.linear import make_linear
 
 __all__ = ["FeedForward", "GatedFeedForward"]
@@ -86,11 +87,18 @@ class GatedFeedForward(nn.Module):
         self.up_proj = make_linear(embed_dim, hidden_dim, bias=bias)
         self.down_proj = make_linear(hidden_dim, embed_dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        #: gate/up as one matmul (inference-only derived state, not a submodule:
+        #: :func:`attnlab.models.fuse.fuse_projections`), or None
+        self.fused_gate_up: FusedProjection | None = None
 
     def extra_repr(self) -> str:
         return f"activation={self.activation_name!r}"
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, S, D] -> [B, S, D]``."""
-        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x)  # views of one [B, S, 2F]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [B, S, F] each
+        out = self.down_proj(self.act(gate) * up)
         return self.dropout(out) if self.training and self.dropout.p > 0 else out
