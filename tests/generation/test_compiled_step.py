@@ -320,3 +320,56 @@ def test_quantized_decode_step_has_no_graph_break(spec: str) -> None:
             backend=backend,
         )  # fmt: skip
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_warm_steps_skip_guards_and_a_real_change_still_recompiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's first compiled step evaluates every guard, its later steps only those that
+    tell graphs apart (``warm_stance``); what changes between runs still recompiles (a
+    batch size, a swapped module), another model of the same shape gets its own tokens,
+    and every run's tokens are the eager loop's."""
+    from torch._dynamo.testing import CompileCounter
+
+    from attnlab.generation import compiled as compiled_mod
+
+    gen_mod = importlib.import_module("attnlab.generation.generate")
+    counter = CompileCounter()
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    stances: list[bool] = []
+
+    def spy(warm: bool) -> Any:
+        stances.append(warm)
+        return compiled_mod.warm_stance(warm)
+
+    monkeypatch.setattr(gen_mod, "warm_stance", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DecoderLM(MODELS["llama"]()).eval()
+    ids, _ = _prompt()
+
+    def check(m: DecoderLM, x: torch.Tensor, graphs: int) -> None:
+        stances.clear()
+        got = generate(m, x, 10, compile=True)
+        assert torch.equal(got, generate(m, x, 10, compile=False))
+        assert stances == [False] + [True] * 8  # 9 steps after the prompt
+        assert counter.frame_count == graphs, counter.frame_count
+
+    check(model, ids, 1)
+    check(model, ids, 1)  # the same shapes: the graph again
+    check(model, ids[:1], 2)  # another batch size: a new graph
+    before = generate(model, ids, 10, compile=False)
+    model.layers[0].self_attn_norm.eps = 1e3  # a constant the graph holds: a guard
+    check(model, ids, 3)  # recompiled at the run's first step: the new eps's tokens
+    assert not torch.equal(generate(model, ids, 10, compile=False), before)
+    torch.manual_seed(1)
+    other = DecoderLM(MODELS["llama"]()).eval()  # same shapes, other weights
+    got = generate(other, ids, 10, compile=True)
+    assert torch.equal(got, generate(other, ids, 10, compile=False))
+    with compiled_mod.warm_stance(True):
+        assert torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance()
+    assert not torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance()
+    monkeypatch.setattr(compiled_mod, "SKIP_WARM_GUARDS", False)
+    with compiled_mod.warm_stance(True):
+        assert not torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance()

@@ -22,6 +22,7 @@ from attnlab.serving.decode_buckets import (
     enable_for_serving,
     parse_sizes,
 )
+from attnlab.serving.metrics import step_kinds_text
 
 COMMON = dict(
     vocab_size=384,
@@ -85,6 +86,11 @@ def test_bucketed_greedy_equals_generate_with_forks_preemption_and_a_window(
     ran = {k.rsplit(" beside", 1)[0] for k in kinds if "prompts" in k}
     assert ran == {"fresh prompts", "continuing prompts"}, kinds
     assert any("1-8" in k for k in kinds if "prompts" in k)  # beside more than 4
+    text = step_kinds_text(dict(kinds))  # as /metrics shows them
+    decode = (
+        f'attnlab_steps_by_kind_total{{kind="decode",run="compiled"}} {kinds["decode, compiled"]}'
+    )
+    assert decode in text.splitlines()
     assert engine.scheduler.preemptions > 0
     assert engine.pool.num_used_blocks == 0 and engine.pool.storage.num_blocks == scratch + 1
 

@@ -156,6 +156,7 @@ def test_auth_json_health_and_metrics(server: BackgroundServer) -> None:
         "requests_waiting",
         "tokens_per_second",
         "time_to_first_token_seconds_count",
+        "steps_by_kind_total",
     ):
         assert f"attnlab_{name}" in text
 

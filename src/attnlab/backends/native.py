@@ -1,10 +1,12 @@
 """attnlab's own CPU kernels: built once per machine with the system's C++ compiler, cached.
 
-Two kernels: paged attention that reads a paged KV pool in place
+Three kernels: paged attention that reads a paged KV pool in place
 (``csrc/paged_attention.cpp``, the ``paged_kernel`` backend, ``torch.ops.attnlab_paged``),
 and the quantized-weight GEMVs (``csrc/qgemv.cpp`` and the tiled VNNI variant
 ``csrc/qgemv_tiled.cpp``, :mod:`attnlab.backends.qmatmul_cpu`, ``torch.ops.attnlab_q`` and
-``attnlab_qt``; the local headers a source includes are part of the cache key). Each
+``attnlab_qt``), and single-query attention over a contiguous cache for decode steps
+(``csrc/decode_attention.cpp``, :mod:`attnlab.backends.decode_attention`,
+``torch.ops.attnlab_dec``; the local headers a source includes are part of the cache key). Each
 includes only the light ATen/``torch/library.h`` headers (no pybind11, no ``torch/extension.h``), so a first build
 takes a few seconds of one core; the shared object is cached under
 ``$ATTNLAB_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/attnlab/kernels``, else
@@ -40,6 +42,7 @@ _SOURCES = {
     "paged": "paged_attention.cpp",
     "qgemv": "qgemv.cpp",
     "qtiled": "qgemv_tiled.cpp",
+    "decode": "decode_attention.cpp",
 }
 _FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w")
 _state: dict[str, str | None] = {}
@@ -148,7 +151,7 @@ def _build(name: str) -> str | None:
 
 
 def kernel_status(name: str) -> str | None:
-    """None when kernel ``name`` (``"paged"``, ``"qgemv"`` or ``"qtiled"``) is loaded (building it once
+    """None when kernel ``name`` (``"paged"``, ``"qgemv"``, ``"qtiled"`` or ``"decode"``) is loaded (building it once
     if needed), else why it is unavailable (the answer is kept for the process)."""
     if name not in _state:
         _state[name] = _build(name)

@@ -4,6 +4,12 @@ torch returns NaN for a query row whose keys are all masked; attnlab promises
 zeros. This backend finds such rows from the mask (cheap: one reduction over the
 mask, which is usually ``(B, 1, 1, S)``), lets them attend everything inside the
 kernel, and zeroes their output, so values and gradients stay finite.
+
+A decode step's call (one query over every key, no mask, float32 on the CPU, no
+gradient, at most 16 query heads per key/value head) runs attnlab's decode kernel instead
+(:mod:`attnlab.backends.decode_attention`), which reads each key once for the whole
+GQA group where torch's flash kernel tiles it as a prompt; ``ATTNLAB_DECODE_KERNEL=0``
+keeps torch's kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import Tensor
 from attnlab.backend_traits import TRAITS
 from attnlab.backends.call import AttentionCall, Backend
 from attnlab.backends.cost_model import Estimate, estimate, lse_pass
+from attnlab.backends.decode_attention import decode_attention, fits
 from attnlab.backends.registry import register
 from attnlab.functional.attention import empty_attention, sdpa_reference
 from attnlab.functional.masks import causal_mask
@@ -79,6 +86,23 @@ def sdpa_torch(
             return_weights=return_weights,
         )
     given_mask, given_causal = attn_mask, is_causal
+    if (
+        attn_mask is None
+        and not is_causal
+        and dropout_p == 0.0
+        and L == 1
+        and (enable_gqa or query.shape[-3] == key.shape[-3])
+        and fits(query, key, value)
+    ):  # a decode step: every query sees every key
+        out = decode_attention(
+            query, key, value, query.shape[-1] ** -0.5 if scale is None else scale
+        )
+        weights = None
+        if return_weights:
+            from attnlab.backends.weights import attention_weights
+
+            weights = attention_weights(query, key, None, False, scale, enable_gqa)
+        return out, weights
     if attn_mask is not None and is_causal:
         causal = causal_mask(L, S, device=query.device)
         attn_mask = (

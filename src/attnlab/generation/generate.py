@@ -31,6 +31,7 @@ from attnlab.generation.compiled import (
     keep_static_cache,
     lay_out_linears,
     static_cache,
+    warm_stance,
 )
 from attnlab.generation.inputs import (
     check_cache_room,
@@ -169,7 +170,10 @@ class _DecoderSteps:
                 "pass compile=False and no padded attention_mask"
             )
         if compiled:  # quantized layers measure their decode kernels now, not in the graph
+            from attnlab.backends.decode_attention import decode_status
             from attnlab.models.quantize import measure_kernels
+
+            decode_status()  # the decode-attention kernel built (or refused) before tracing
 
             floats = [t.dtype for t in model.parameters() if t.is_floating_point()]
             measure_kernels(model, b, floats[0] if floats else torch.float32)
@@ -179,6 +183,7 @@ class _DecoderSteps:
             compiled_decode_step(model) if compiled else getattr(model, "decode_step", None)
         )
         self.backend: str | None = None
+        self.warm = False  # a compiled step of this run has passed every guard
         # LongRoPE switches its frequencies once the sequence passes its original length:
         # at that slot the whole sequence is encoded again (as transformers' Phi-3 does)
         self.again_at = getattr(model, "prefill_again_at", None)
@@ -249,7 +254,9 @@ class _DecoderSteps:
                       attention_mask=self.full_mask, backend=self.backend,
                       key_slots=key_slots)  # fmt: skip
         try:
-            logits = self.step_fn(tok[:, None], **kwargs)
+            with warm_stance(self.warm):
+                logits = self.step_fn(tok[:, None], **kwargs)
+            self.warm = True
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
             if not self.auto:
                 raise

@@ -119,11 +119,24 @@ def measure_kernels(
 ) -> dict[str, LinearChoice]:
     """Choose (measure, where not yet memoised) every quantized layer's kernel for
     ``rows`` activations, eagerly: a graph compiled afterwards reads these choices
-    instead of falling back to a fixed rule. Returns each layer's choice."""
-    return {
-        name: choose_kernel(layer, rows, x_dtype, kernel=layer.kernel, compute=layer.compute)
-        for name, layer in quantized_layers(model).items()
-    }
+    instead of falling back to a fixed rule. Each chosen kernel runs once on a zero row,
+    so that it builds its layout of the weights (``kernel_form``) now: the choice is
+    memoised per shape, so the other layers of a measured shape would otherwise build
+    theirs while a graph is traced, where the layout's checks cannot run. Returns each
+    layer's choice."""
+    from attnlab.backends.qmatmul import run_kernel
+
+    out: dict[str, LinearChoice] = {}
+    for name, layer in quantized_layers(model).items():
+        choice = choose_kernel(layer, rows, x_dtype, kernel=layer.kernel, compute=layer.compute)
+        # a marker among the forms: cleared with them when the weights change
+        warm = (f"warm:{choice.chosen}", choice.compute_dtype)
+        if warm not in layer._forms:
+            with torch.no_grad():
+                run_kernel(layer, torch.zeros(1, layer.in_features, dtype=x_dtype), choice)
+            layer._forms[warm] = ()
+        out[name] = choice
+    return out
 
 
 def kernel_report(model: nn.Module) -> dict[str, Any]:

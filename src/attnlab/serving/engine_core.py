@@ -80,14 +80,15 @@ def _threads() -> int:
 
 def metrics_text(engine: Any) -> str:
     """The engine's ``/metrics`` text (Prometheus), its gauges read now."""
+    from attnlab.serving.metrics import step_kinds_text
+
     a = engine.pool.allocator
-    return str(
-        engine.metrics.prometheus(
-            cache_hit_rate=a.hits / a.queries if a.queries else 0.0,
-            blocks_free=engine.pool.num_free_blocks,
-            live=engine.gauges(),
-        )
+    text = engine.metrics.prometheus(
+        cache_hit_rate=a.hits / a.queries if a.queries else 0.0,
+        blocks_free=engine.pool.num_free_blocks,
+        live=engine.gauges(),
     )
+    return str(text) + step_kinds_text(dict(engine.runner.step_kinds))
 
 
 class _Core:

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["EngineMetrics"]
+__all__ = ["EngineMetrics", "step_kinds_text"]
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -198,3 +198,17 @@ class EngineMetrics:
         lines.append(f"attnlab_time_to_first_token_seconds_sum {self.ttft_sum}")
         lines.append(f"attnlab_time_to_first_token_seconds_count {self.ttft_count}")
         return "\n".join(lines) + "\n"
+
+
+def step_kinds_text(kinds: dict[str, int]) -> str:
+    """The runner's steps by kind (:attr:`attnlab.serving.runner.ModelRunner.step_kinds`,
+    ``"<kind>, <compiled|eager>"``) as a Prometheus counter with ``kind`` and ``run``
+    labels."""
+    lines = [
+        "# HELP attnlab_steps_by_kind_total Engine steps by what they carry and how they ran.",
+        "# TYPE attnlab_steps_by_kind_total counter",
+    ]
+    for key, count in sorted(kinds.items()):
+        kind, _, run = key.rpartition(", ")
+        lines.append(f'attnlab_steps_by_kind_total{{kind="{kind}",run="{run}"}} {count}')
+    return "\n".join(lines) + "\n"
