@@ -358,6 +358,9 @@ def test_warm_steps_skip_guards_and_a_real_change_still_recompiles(
 
     check(model, ids, 1)
     check(model, ids, 1)  # the same shapes: the graph again
+    monkeypatch.setattr(compiled_mod, "SKIP_WARM_GUARDS", False)
+    check(model, ids, 1)  # every guard on every step: they pass, no recompile
+    monkeypatch.setattr(compiled_mod, "SKIP_WARM_GUARDS", True)
     check(model, ids[:1], 2)  # another batch size: a new graph
     before = generate(model, ids, 10, compile=False)
     model.layers[0].self_attn_norm.eps = 1e3  # a constant the graph holds: a guard
