@@ -210,6 +210,30 @@ def test_the_environment_turns_fusion_on_and_off(monkeypatch: pytest.MonkeyPatch
         pack_model(model, rows=(1,))
 
 
+def test_by_default_only_quantized_groups_fuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unless told, ``pack_model`` fuses the groups of quantized layers (measured faster)
+    and leaves float groups separate; ``ATTNLAB_FUSE=0`` leaves both, ``=1`` fuses both."""
+    from attnlab.models.inference import FUSE_QUANTIZED_BY_DEFAULT
+    from attnlab.models.quantize import quantize_model
+    from attnlab.modules.linear import LinearSpec
+
+    assert FUSE_QUANTIZED_BY_DEFAULT and not FUSE_BY_DEFAULT
+    monkeypatch.delenv("ATTNLAB_FUSE", raising=False)
+    assert not fused_projections(pack_model(_model("llama-gqa"), rows=(1,)))
+    quantized = _model("qwen2-bias")
+    quantize_model(quantized, LinearSpec("int8", compute="float32"))
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = quantized(ids).logits
+    pack_model(quantized, rows=(1,))
+    fused = fused_projections(quantized)
+    assert len(fused) == 4 and all(f.quant is not None for f in fused.values())
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(ids).logits, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("ATTNLAB_FUSE", "0")
+    assert not fused_projections(pack_model(quantized, rows=(1,)))
+
+
 @pytest.mark.parametrize("spec", ["int8", "int8:g32", "int4"])
 def test_quantized_layers_join_exactly(spec: str) -> None:
     """int8 per channel, Q8_0-like groups, Q4_1-like int4: the fused layer joins the levels,

@@ -26,6 +26,7 @@ from torch import nn
 from attnlab.modules.attention import MultiHeadAttention
 from attnlab.modules.fused_linear import FusedProjection, fusion_refusal
 from attnlab.modules.mlp import GatedFeedForward
+from attnlab.modules.quant_linear import QuantLinear
 
 __all__ = ["fuse_projections", "fused_projections", "unfuse_projections"]
 
@@ -43,7 +44,11 @@ def _is_cross(name: str) -> bool:
 
 
 def fuse_projections(
-    model: nn.Module, *, rows: Sequence[int] = (1, 2, 4, 8, 16, 32), kernel: str = "auto"
+    model: nn.Module,
+    *,
+    rows: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    kernel: str = "auto",
+    quantized_only: bool = False,
 ) -> dict[str, str]:
     """Fuse ``model``'s q/k/v and gate/up projections in place (again, where fused before).
 
@@ -51,6 +56,9 @@ def fuse_projections(
         model: any attnlab model, in eval mode.
         rows: the row counts a float fused weight is laid out for.
         kernel: ``"auto"`` or a kernel of :data:`attnlab.backends.linear_pack.GEMM_KERNELS`.
+        quantized_only: fuse only groups of quantized layers (what
+            :func:`~attnlab.models.inference.pack_model` does by default); float groups
+            are left as they are, without a reason recorded.
 
     Returns:
         ``{module name: why it was left unfused}`` (empty when every group fused).
@@ -73,6 +81,8 @@ def fuse_projections(
                 left[name] = "cross-attention (keys/values come from another input)"
                 continue
             layers = [getattr(module, p) for p in parts]
+            if quantized_only and not all(isinstance(x, QuantLinear) for x in layers):
+                continue
             names = [f"{name}.{p}" if name else p for p in parts]
             why = fusion_refusal(layers, names)
             if why is not None:

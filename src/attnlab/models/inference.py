@@ -13,10 +13,12 @@ call that needs gradients, and :func:`unpack_model` restores the plain layers.
 With ``fuse=True`` it also fuses each self-attention's q/k/v and each gated MLP's gate/up
 into one laid-out weight (:func:`attnlab.models.fuse.fuse_projections`: 4 matmul calls per
 decoder layer instead of 7); ``ATTNLAB_FUSE=1`` in the environment does it for the callers
-that pack on their own (the serving decode buckets, compiled ``generate``). It is off by
-default (:data:`FUSE_BY_DEFAULT`: not measured faster in every decode path). The layers a fused weight replaces are left as plain ``nn.Linear``
-(their forward is not called while it is fused), so fusing costs one copy of those weights
-more than packing them would.
+that pack on their own (the serving decode buckets, compiled ``generate``), and
+``ATTNLAB_FUSE=0`` turns it off. Unless told, only groups of quantized layers are fused
+(:data:`FUSE_QUANTIZED_BY_DEFAULT`, measured faster); float groups are not
+(:data:`FUSE_BY_DEFAULT`: not measured faster in every decode path). The layers a fused
+float weight replaces are left as plain ``nn.Linear`` (their forward is not called while
+it is fused), so fusing costs one copy of those weights more than packing them would.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from attnlab.modules.packed_linear import PackedLinearLayer
 __all__ = [
     "DEFAULT_ROWS",
     "FUSE_BY_DEFAULT",
+    "FUSE_QUANTIZED_BY_DEFAULT",
     "default_fuse",
     "pack_model",
     "packed_linears",
@@ -52,6 +55,12 @@ DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
 #: measured faster everywhere (SmolLM2's 8-row serving bucket 1.13x, but compiled 8-row
 #: ``generate`` 0.82-0.90x; docs/benchmarks.md, "Fused q/k/v and gate/up")
 FUSE_BY_DEFAULT = False
+#: whether :func:`pack_model` fuses the groups of *quantized* layers unless told: on. With
+#: int8 activations each quantized call pays a fixed cost (quantizing the activations, one
+#: OpenMP fork), and one call per group is measured faster: SmolLM2 from the Q4_1/Q8_0
+#: GGUF files decoded 108.7 / 102.9 tok/s fused against 93.2 / 88.1 separate at two
+#: threads on a quiet machine (docs/benchmarks.md, "Sixth stop: the lead's quiet runs")
+FUSE_QUANTIZED_BY_DEFAULT = True
 
 
 def default_fuse() -> bool:
@@ -96,7 +105,9 @@ def pack_model(
             :data:`~attnlab.backends.linear_pack.GEMM_KERNELS` for every layer.
         head: also pack a tied LM head (the embeddings' matrix).
         fuse: fuse q/k/v and gate/up into one laid-out weight each
-            (:func:`attnlab.models.fuse.fuse_projections`); None: :func:`default_fuse`.
+            (:func:`attnlab.models.fuse.fuse_projections`); None: :func:`default_fuse`
+            (``ATTNLAB_FUSE``), and where that is unset, the groups of quantized layers
+            only (:data:`FUSE_QUANTIZED_BY_DEFAULT`).
 
     Returns:
         ``model``; a layer already packed is packed again for ``rows``. Layers left as
@@ -110,13 +121,17 @@ def pack_model(
             "pack_model prepares a model for inference: the model is in training mode "
             "(call model.eval() first; packed layers refuse calls that need gradients)"
         )
+    quantized_only = False
     if fuse is None:
+        told = os.environ.get("ATTNLAB_FUSE") not in (None, "")
         fuse = default_fuse()
+        if not fuse and not told and FUSE_QUANTIZED_BY_DEFAULT:
+            fuse = quantized_only = True
     elif not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool or None, got {fuse!r}")
     unpack_model(model)
     if fuse:
-        fuse_projections(model, rows=rows, kernel=kernel)
+        fuse_projections(model, rows=rows, kernel=kernel, quantized_only=quantized_only)
     fused = {id(layer) for f in fused_projections(model).values() for layer in f.layers}
     kept: list[str] = []
     for name, module in list(model.named_modules()):
