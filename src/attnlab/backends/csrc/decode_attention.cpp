@@ -181,17 +181,6 @@ struct Kernel {
   }
 };
 
-std::vector<int64_t> widths() {  // the SIMD widths this build holds, widest first
-  return {
-#if defined(__AVX512F__)
-      16,
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-      8,
-#endif
-      1};
-}
-
 at::Tensor decode_attention_simd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, int64_t width) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-d");

@@ -320,17 +320,6 @@ struct Kernel {
   }
 };
 
-std::vector<int64_t> widths() {  // the SIMD widths this build holds, widest first
-  return {
-#if defined(__AVX512F__)
-      16,
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-      8,
-#endif
-      1};
-}
-
 Args make_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const at::Tensor& table, const at::Tensor& q_pos, const at::Tensor& meta,
                double scale, int64_t window, int64_t block_size, const at::Tensor& out) {

@@ -125,6 +125,18 @@ struct Avx512 {
 };
 #endif
 
+// The SIMD widths this build holds, widest first (what the kernels' simd_widths() report).
+inline std::vector<int64_t> widths() {
+  return {
+#if defined(__AVX512F__)
+      16,
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      8,
+#endif
+      1};
+}
+
 // exp(x) for every width, from the primitives above: clamp (NaN passes through both
 // bounds), split x = n ln2 + r, evaluate the polynomial, scale by 2^n; below kExpLo the
 // result is 0 (it would be subnormal).
