@@ -44,10 +44,6 @@ ALLOWED = {
     # a model's generate()/stream() methods are the generation loop's, called on the model
     ("attnlab.models.lm_shell", "attnlab.generation.generate"),
     ("attnlab.models.seq2seq", "attnlab.generation.generate"),
-    # DESIGN.md's public contract promises attnlab.functional.scaled_dot_product_attention;
-    # the function chooses a backend, so it is defined above them and this package forwards
-    # the one name on first access (PEP 562): none of functional's code depends on it
-    ("attnlab.functional", "attnlab.backends.api"),
 }
 
 
@@ -165,25 +161,28 @@ def test_no_import_cycle_between_packages() -> None:
 
 
 def test_public_attention_name_lives_at_the_root() -> None:
-    """The public call is defined above the backends and named at the root; DESIGN.md's
-    contract name ``attnlab.functional.scaled_dot_product_attention`` is the same
-    function, forwarded on first access, so importing ``attnlab.functional`` loads none
-    of the backends, and ``import attnlab`` alone loads no torch."""
+    """``attnlab.functional`` imports none of the backends and no longer names the public
+    call: reading the old name says where it went. The root resolves it on first use to
+    the backends' function, ``from attnlab import ...`` too, and ``import attnlab`` alone
+    loads no torch."""
     code = (
         "import sys\n"
         "import attnlab\n"
         "assert 'torch' not in sys.modules\n"
         "import attnlab.functional as F\n"
         "assert 'attnlab.backends' not in sys.modules, sorted(sys.modules)\n"
-        "assert 'scaled_dot_product_attention' in dir(F)\n"
+        "try:\n"
+        "    F.scaled_dot_product_attention\n"
+        "except AttributeError as e:\n"
+        "    assert 'attnlab.scaled_dot_product_attention' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('the old name still resolves')\n"
         "assert 'attnlab.backends' not in sys.modules\n"
         "from attnlab import scaled_dot_product_attention as sdpa\n"
         "from attnlab.backends.api import scaled_dot_product_attention\n"
-        "from attnlab.functional import scaled_dot_product_attention as contract\n"
         "import attnlab.backends\n"
         "assert sdpa is scaled_dot_product_attention is attnlab.scaled_dot_product_attention\n"
         "assert sdpa is attnlab.backends.scaled_dot_product_attention\n"
-        "assert contract is sdpa is F.scaled_dot_product_attention\n"
         "assert 'scaled_dot_product_attention' in dir(attnlab)\n"
         "for mod in (attnlab, F):\n"
         "    try:\n"
